@@ -1,0 +1,1 @@
+"""tensor_parallel."""

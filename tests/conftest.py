@@ -1,0 +1,42 @@
+"""Test harness for both levels.
+
+* Single process (``pytest tests``): JAX gets 8 simulated CPU devices, so every layout of 8
+  ranks can be built in one process; MPI-marked tests are skipped.
+* Multi-process (``mpirun -n 8 python -m pytest --only-mpi tests``, see ``tests/run.sh``):
+  ``jax.distributed`` is initialised through mpi4py before any test touches JAX, one device
+  per process; only tests marked ``@pytest.mark.mpi`` run.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+_MULTI = "--with-mpi" in sys.argv or "--only-mpi" in sys.argv
+
+
+def _configure_jax() -> None:
+    import jax
+
+    if _MULTI:
+        from core.parallel_state import initialize_distributed
+
+        initialize_distributed()
+    else:
+        # Must run before the CPU backend starts; env vars alone are read too early.
+        jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")))
+
+
+_configure_jax()
+
+
+@pytest.fixture(autouse=True)
+def _reset_parallel_state():
+    """Every test starts and ends without a default parallel state."""
+    from core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The project's test command: both levels, each under a hard timeout so a failing rank can
+# never hang the run. Prints one summary line at the end; exits non-zero on any failure.
+#   level 1: one process, 8 simulated CPU devices (fast unit and equivalence tests)
+#   level 2: mpirun -n $MPI_NP (default 8) real processes, tests marked @pytest.mark.mpi
+set -u
+cd "$(dirname "$0")/.."
+NP=${MPI_NP:-8}
+OUT=${TEST_OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export PYTHONUNBUFFERED=1
+
+echo "=== level 1: single process, 8 simulated devices"
+timeout --signal=KILL "${SINGLE_TIMEOUT:-1500}" python -m pytest -q -p no:randomly \
+    --junitxml="$OUT/single.xml" "$@" tests
+rc1=$?
+
+echo "=== level 2: mpirun -n $NP real processes"
+# Processes that share the cores must not each spin up a full Eigen thread pool.
+XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" \
+timeout --signal=KILL "${MPI_TIMEOUT:-1200}" mpirun -x XLA_FLAGS --oversubscribe -n "$NP" \
+    python tests/mpi_rank.py --junitxml="$OUT/mpi" "$@"
+rc2=$?
+
+python tests/summarize.py "$OUT/single.xml" "$OUT"/mpi.rank*.xml
+rc3=$?
+echo "exit codes: single=$rc1 mpi=$rc2"
+[ $rc1 -eq 0 ] && [ $rc2 -eq 0 ] && [ $rc3 -eq 0 ]
