@@ -1,0 +1,121 @@
+"""Explicit parallelism metadata of parameters, carried by flax's boxed-variable mechanism.
+
+Megatron tags parameters with ad-hoc attributes (``tensor_model_parallel``,
+``partition_dim``, ``sequence_parallel``, ``shared_embedding``, ``allreduce``). Here a layer
+declares them once, when it creates the parameter, by wrapping its initializer with
+:func:`with_parallel_metadata`. The value is then boxed in :class:`ParallelPartitioned`, a
+``flax.linen.Partitioned`` whose ``names`` give the mesh axis each dimension is split over
+(so ``nn.get_partition_spec`` works as usual) plus the Megatron flags.
+
+Everything downstream (DDP buckets, ``finalize_model_grads``, checkpoints) reads a plain
+tree of :class:`ParamInfo` built by :func:`param_info_tree`, never attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+from flax import struct
+from jax.sharding import PartitionSpec
+
+
+class ParallelPartitioned(nn.Partitioned):
+    """A ``nn.Partitioned`` box that also records Megatron's per-parameter flags."""
+
+    sequence_parallel: bool = struct.field(pytree_node=False, default=False)
+    """Replicated over tp but fed by sequence-sharded activations: grads all-reduced over tp."""
+    shared_embedding: bool = struct.field(pytree_node=False, default=False)
+    """Word embedding tied between first and last pipeline stage (own DDP bucket, embd all-reduce)."""
+    expert: bool = struct.field(pytree_node=False, default=False)
+    """Expert parameter: reduced over the expert-data-parallel group, not the dense one."""
+
+
+def with_parallel_metadata(
+    init_fn: Callable[..., Any],
+    names: Sequence[str | None],
+    *,
+    sequence_parallel: bool = False,
+    shared_embedding: bool = False,
+    expert: bool = False,
+) -> Callable[..., ParallelPartitioned]:
+    """Wrap a flax initializer so the parameter it creates carries parallel metadata.
+
+    ``names[d]`` is the mesh axis dimension ``d`` is split over (e.g. ``("tp", None)`` for a
+    weight split along dim 0 over tensor parallelism), ``None`` for an unsplit dimension.
+    """
+
+    def wrapped(*args: Any, **kwargs: Any) -> ParallelPartitioned:
+        return ParallelPartitioned(
+            init_fn(*args, **kwargs),
+            tuple(names),
+            sequence_parallel=sequence_parallel,
+            shared_embedding=shared_embedding,
+            expert=expert,
+        )
+
+    return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """Everything the parallel machinery needs to know about one parameter."""
+
+    partition_spec: PartitionSpec
+    """Mesh axis per dimension (``PartitionSpec()`` for a replicated parameter)."""
+    sequence_parallel: bool = False
+    """Grad must be all-reduced over tp (sequence-parallel norms, row-parallel bias)."""
+    shared_embedding: bool = False
+    """Tied word embedding / output weight shared by first and last pipeline stage."""
+    expert: bool = False
+    """Expert parameter (reduced over expert-data-parallel ranks)."""
+
+    @property
+    def tensor_model_parallel(self) -> bool:
+        """Whether the parameter is split over the tensor-parallel axis."""
+        return any(_names_axis(n, "tp") for n in self.partition_spec)
+
+    @property
+    def partition_dim(self) -> int | None:
+        """The dimension split over tp, or None (Megatron's ``partition_dim``)."""
+        for dim, n in enumerate(self.partition_spec):
+            if _names_axis(n, "tp"):
+                return dim
+        return None
+
+
+def _names_axis(entry: Any, axis: str) -> bool:
+    return entry == axis or (isinstance(entry, tuple) and axis in entry)
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _info(leaf: Any) -> ParamInfo:
+    if isinstance(leaf, nn.Partitioned):
+        info = ParamInfo(PartitionSpec(*leaf.names))
+        if isinstance(leaf, ParallelPartitioned):
+            info = dataclasses.replace(
+                info,
+                sequence_parallel=leaf.sequence_parallel,
+                shared_embedding=leaf.shared_embedding,
+                expert=leaf.expert,
+            )
+        return info
+    return ParamInfo(PartitionSpec())
+
+
+def param_info_tree(boxed: Any) -> Any:
+    """Tree of :class:`ParamInfo`, one per parameter of a boxed variable tree.
+
+    Unboxed leaves (plain arrays) are taken as replicated with no flags.
+    """
+    return jax.tree.map(_info, boxed, is_leaf=_is_box)
+
+
+def unbox(boxed: Any) -> Any:
+    """Strip the metadata boxes, without sharding constraints (safe inside ``shard_map``)."""
+    return jax.tree.map(lambda x: x.value if _is_box(x) else x, boxed, is_leaf=_is_box)
