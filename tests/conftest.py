@@ -14,7 +14,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-_MULTI = "--with-mpi" in sys.argv or "--only-mpi" in sys.argv
+from core.parallel_state import mpi_world_size_from_env  # noqa: E402
+
+# Under mpirun (also via tests/mpi_rank.py, whose sys.argv lacks pytest's flags).
+_MULTI = mpi_world_size_from_env() > 1 or "--with-mpi" in sys.argv or "--only-mpi" in sys.argv
 
 
 def _configure_jax() -> None:
