@@ -34,4 +34,4 @@ def test_unbox_gives_plain_arrays_that_apply():
     plain = unbox(variables)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(plain))
     out = _Toy().apply(variables, jnp.ones((2, 4)))
-    assert out.shape == (2, 3) and float(out[0, 0]) == 4.0 + 1.0 + 3.0
+    assert out.shape == (2, 3) and float(out[0, 0]) == 4.0 + 0.0 + 1.0 + 9.0
