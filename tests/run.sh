@@ -20,7 +20,7 @@ echo "=== level 2: mpirun -n $NP real processes"
 # Processes that share the cores must not each spin up a full Eigen thread pool.
 XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" \
 timeout --signal=KILL "${MPI_TIMEOUT:-1200}" mpirun -x XLA_FLAGS --oversubscribe -n "$NP" \
-    python tests/mpi_rank.py --junitxml="$OUT/mpi" "$@"
+    python tests/mpi_rank.py --junitxml="$OUT/mpi" --color=no "$@"
 rc2=$?
 
 python tests/summarize.py "$OUT/single.xml" "$OUT"/mpi.rank*.xml
