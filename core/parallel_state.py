@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -14,7 +14,8 @@ tree of :class:`ParamInfo` built by :func:`param_info_tree`, never attributes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax

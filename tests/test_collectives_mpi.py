@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
+from collectives_reference import expected_reduce_scatter
 from jax.sharding import PartitionSpec as P
 
-from collectives_reference import expected_reduce_scatter
 from core import parallel_state as ps
 from core.distributed.collectives import default_reduce_scatter_impl, reduce_scatter
 
