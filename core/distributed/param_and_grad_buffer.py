@@ -1,0 +1,241 @@
+"""Contiguous, bucketed gradient buffers: Megatron's layout rules as pure functions.
+
+A *buffer* holds the gradients of every parameter with the same (param dtype, grad dtype,
+expert?) key, laid out in reverse model order (roughly the order backprop produces them)
+and cut into *buckets*; each bucket is reduced by one collective. In JAX a buffer is a
+tuple of 1-D bucket arrays (the contiguous buffer is their concatenation): keeping buckets
+separate lets each bucket's collective depend only on its own parameters' gradients.
+
+Layout rules (Megatron-core ``_ParamAndGradBuffer``):
+
+* params are placed in reverse order; a bucket closes once it holds ``>= bucket_size``
+  elements, so a parameter never spans two buckets;
+* without the distributed optimizer there is no padding;
+* with it, each parameter start is aligned to 64 elements, each bucket end is padded to
+  ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with ``pad_buckets_for_high_nccl_busbw``), so
+  every bucket splits into ``dp`` equal shards, and a shared-embedding parameter gets a
+  bucket of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from core.param_metadata import ParamInfo
+
+PARAM_ALIGNMENT = 64
+BUCKET_ALIGNMENT = 128
+HIGH_BUSBW_ALIGNMENT = 2**16
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamLayout:
+    """Where every parameter and bucket lives in one flat buffer."""
+
+    param_index_map: tuple[tuple[int, int, int], ...]
+    """Entry i: (start, end, bucket_id) of parameter i (model order)."""
+    bucket_indices: tuple[tuple[int, int], ...]
+    """(start, end) of every bucket, padding included."""
+    per_bucket_numel_unpadded: tuple[int, ...]
+    """Elements of every bucket before its end padding."""
+
+    @property
+    def numel(self) -> int:
+        """Total (padded) buffer size."""
+        return self.bucket_indices[-1][1] if self.bucket_indices else 0
+
+    def bucket_params(self, bucket_id: int) -> list[int]:
+        """Parameter indices in ``bucket_id``, in buffer order."""
+        members = [i for i, (_, _, b) in enumerate(self.param_index_map) if b == bucket_id]
+        return sorted(members, key=lambda i: self.param_index_map[i][0])
+
+
+def _pad(n: int, divisor: int) -> int:
+    return math.ceil(n / divisor) * divisor
+
+
+def build_param_layout(
+    numels: Sequence[int],
+    *,
+    bucket_size: int | None,
+    data_parallel_size: int,
+    use_distributed_optimizer: bool,
+    shared_embedding: int | Sequence[int] | None = None,
+    pad_buckets_for_high_nccl_busbw: bool = False,
+) -> ParamLayout:
+    """Megatron's buffer layout for parameters of ``numels`` (model order); see module docstring.
+
+    ``shared_embedding`` is the index (or indices) of shared-embedding parameters.
+    """
+    shared = set() if shared_embedding is None else (
+        {shared_embedding} if isinstance(shared_embedding, int) else set(shared_embedding))
+    if use_distributed_optimizer:
+        divisor = math.lcm(data_parallel_size, BUCKET_ALIGNMENT)
+        if pad_buckets_for_high_nccl_busbw:
+            divisor = math.lcm(divisor, HIGH_BUSBW_ALIGNMENT)
+    index_map: dict[int, tuple[int, int, int]] = {}
+    buckets: list[tuple[int, int]] = []
+    unpadded: list[int] = []
+    bucket_start = param_start = 0
+    bucket_members = 0
+
+    def close_bucket(end: int) -> int:
+        nonlocal bucket_start, bucket_members
+        unpadded.append(end - bucket_start)
+        padded_end = _pad(end, divisor) if use_distributed_optimizer else end
+        buckets.append((bucket_start, padded_end))
+        bucket_start, bucket_members = padded_end, 0
+        return padded_end
+
+    for i in reversed(range(len(numels))):
+        own_bucket = use_distributed_optimizer and i in shared
+        if use_distributed_optimizer:
+            param_start = _pad(param_start, PARAM_ALIGNMENT)
+        if own_bucket and bucket_members:
+            param_start = close_bucket(param_start)
+        param_end = param_start + int(numels[i])
+        index_map[i] = (param_start, param_end, len(buckets))
+        bucket_members += 1
+        if (bucket_size is not None and param_end - bucket_start >= bucket_size) or own_bucket:
+            param_start = close_bucket(param_end)
+        else:
+            param_start = param_end
+    if bucket_members:
+        close_bucket(param_end)
+    return ParamLayout(tuple(index_map[i] for i in range(len(numels))), tuple(buckets), tuple(unpadded))
+
+
+# ---------------------------------------------------------------------------------------
+# Buffers: grouping parameters, flattening into buckets and back
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferKey:
+    """What parameters share one buffer (Megatron's ``BufferKey``)."""
+
+    param_dtype: str
+    """Parameter dtype name."""
+    grad_dtype: str
+    """Gradient (buffer) dtype name: fp32 with grad_reduce_in_fp32, else the param dtype."""
+    is_expert_parallel: bool
+    """Expert parameters reduce over the expert-data-parallel group."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """One buffer: which parameters (leaf indices of the param tree) and their layout."""
+
+    key: BufferKey
+    """The buffer's dtypes and group."""
+    leaves: tuple[int, ...]
+    """Indices (into the flattened param tree) of this buffer's params, in model order."""
+    shapes: tuple[tuple[int, ...], ...]
+    """Local shape of each of those params."""
+    layout: ParamLayout
+    """Their positions and buckets."""
+
+    def bucket_sizes(self) -> list[int]:
+        """Padded size of every bucket."""
+        return [end - start for start, end in self.layout.bucket_indices]
+
+
+def build_buffer_specs(
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[jnp.dtype],
+    infos: Sequence[ParamInfo],
+    *,
+    data_parallel_size: int,
+    bucket_size: int | None,
+    use_distributed_optimizer: bool,
+    grad_reduce_in_fp32: bool,
+    pad_buckets_for_high_nccl_busbw: bool = False,
+) -> tuple[BufferSpec, ...]:
+    """Group parameters (flattened tree order = model order) into buffers and lay each out."""
+    groups: dict[BufferKey, list[int]] = {}
+    for i, (dtype, info) in enumerate(zip(dtypes, infos, strict=True)):
+        param_dtype = jnp.dtype(dtype).name
+        grad_dtype = "float32" if grad_reduce_in_fp32 else param_dtype
+        groups.setdefault(BufferKey(param_dtype, grad_dtype, info.expert), []).append(i)
+    specs = []
+    for key, leaves in groups.items():
+        numels = [int(np.prod(shapes[i])) for i in leaves]
+        shared = [j for j, i in enumerate(leaves) if infos[i].shared_embedding]
+        layout = build_param_layout(
+            numels, bucket_size=bucket_size, data_parallel_size=data_parallel_size,
+            use_distributed_optimizer=use_distributed_optimizer, shared_embedding=shared,
+            pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
+        )
+        specs.append(BufferSpec(key, tuple(leaves), tuple(tuple(shapes[i]) for i in leaves), layout))
+    return tuple(specs)
+
+
+def flatten_to_buckets(leaves: Sequence[jax.Array], spec: BufferSpec) -> tuple[jax.Array, ...]:
+    """This buffer's params' values (e.g. grads) as padded 1-D buckets of the buffer dtype.
+
+    ``leaves`` is the whole flattened tree; only ``spec.leaves`` are used. Each bucket is built
+    from its own parameters only.
+    """
+    dtype = jnp.dtype(spec.key.grad_dtype)
+    buckets = []
+    for b, (start, end) in enumerate(spec.layout.bucket_indices):
+        pieces, cursor = [], start
+        for j in spec.layout.bucket_params(b):
+            p_start, p_end, _ = spec.layout.param_index_map[j]
+            if p_start > cursor:
+                pieces.append(jnp.zeros(p_start - cursor, dtype))
+            pieces.append(jnp.ravel(leaves[spec.leaves[j]]).astype(dtype))
+            cursor = p_end
+        if end > cursor:
+            pieces.append(jnp.zeros(end - cursor, dtype))
+        buckets.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
+    return tuple(buckets)
+
+
+def unflatten_from_buckets(buckets: Sequence[jax.Array], spec: BufferSpec, dtype=None) -> dict[int, jax.Array]:
+    """Inverse of :func:`flatten_to_buckets`: ``{leaf index: array of its local shape}``."""
+    out = {}
+    for j, leaf in enumerate(spec.leaves):
+        start, end, b = spec.layout.param_index_map[j]
+        offset = spec.layout.bucket_indices[b][0]
+        value = buckets[b][start - offset:end - offset].reshape(spec.shapes[j])
+        out[leaf] = value if dtype is None else value.astype(dtype)
+    return out
+
+
+def bucket_shard_ranges(layout: ParamLayout, data_parallel_size: int, rank: int) -> list[tuple[int, int]]:
+    """Distributed optimizer: the ``(start, end)`` buffer range ``rank`` owns in every bucket.
+
+    Rank r owns ``[start + r*n/dp, start + (r+1)*n/dp)`` of each bucket of ``n`` elements,
+    ignoring parameter boundaries.
+    """
+    ranges = []
+    for start, end in layout.bucket_indices:
+        n = end - start
+        if n % data_parallel_size:
+            raise ValueError(f"bucket of {n} elements does not split into {data_parallel_size} shards")
+        shard = n // data_parallel_size
+        ranges.append((start + rank * shard, start + (rank + 1) * shard))
+    return ranges
+
+
+def bucket_element_masks(spec: BufferSpec, per_param: Sequence[bool]) -> tuple[np.ndarray, ...]:
+    """Per-bucket boolean arrays: True on the elements of params whose ``per_param`` flag is set.
+
+    ``per_param`` is indexed like ``spec.leaves``. Padding is False.
+    """
+    masks = []
+    for b, (start, end) in enumerate(spec.layout.bucket_indices):
+        mask = np.zeros(end - start, bool)
+        for j in spec.layout.bucket_params(b):
+            if per_param[j]:
+                p_start, p_end, _ = spec.layout.param_index_map[j]
+                mask[p_start - start:p_end - start] = True
+        masks.append(mask)
+    return tuple(masks)
