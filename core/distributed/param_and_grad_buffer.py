@@ -176,13 +176,13 @@ def build_buffer_specs(
     return tuple(specs)
 
 
-def flatten_to_buckets(leaves: Sequence[jax.Array], spec: BufferSpec) -> tuple[jax.Array, ...]:
-    """This buffer's params' values (e.g. grads) as padded 1-D buckets of the buffer dtype.
+def flatten_to_buckets(leaves: Sequence[jax.Array], spec: BufferSpec, dtype=None) -> tuple[jax.Array, ...]:
+    """This buffer's params' values (e.g. grads) as padded 1-D buckets (default: the grad dtype).
 
     ``leaves`` is the whole flattened tree; only ``spec.leaves`` are used. Each bucket is built
     from its own parameters only.
     """
-    dtype = jnp.dtype(spec.key.grad_dtype)
+    dtype = jnp.dtype(spec.key.grad_dtype if dtype is None else dtype)
     buckets = []
     for b, (start, end) in enumerate(spec.layout.bucket_indices):
         pieces, cursor = [], start

@@ -1,0 +1,375 @@
+"""``DistributedDataParallel``: a flax module trained data-parallel over the global mesh.
+
+The work happens in one jitted ``shard_map`` program per training step
+(:meth:`DistributedDataParallel.make_train_step`): forward/backward over the microbatches
+(``lax.scan``; grads accumulate and are reduced once per step, Megatron's ``no_sync``
+semantics), ``finalize_model_grads`` (model-parallel sums, then one collective per bucket),
+global-norm clipping, the (distributed) optimizer step and the parameter all-gather. No host
+round trip inside a step.
+
+Megatron's method names are kept as a PyTorch-style facade over the same pure functions,
+for code written against Megatron's loop (``zero_grad_buffer``, ``no_sync``,
+``start_grad_sync``/``finish_grad_sync``, ``scale_gradients``, ``start_param_sync``,
+``broadcast_params``); each call is its own jitted program, so prefer the fused step.
+
+State layout: parameters are global arrays sharded as their metadata says (tensor-parallel
+dims over ``"tp"``, replicated over data parallelism); optimizer state, grad buffers and
+per-device flags are *device-local* values, stored as global arrays with a leading axis of
+one entry per device (spec ``P(all mesh axes)``).
+
+Parameter order: buffers are laid out in reverse "model order", taken as the flattened
+parameter tree order (``jax.tree`` sorts dict keys, so name layers with zero-padded indices
+to make it the forward order). It only affects which grads share a bucket, not results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from core import parallel_state
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.distributed.finalize_model_grads import any_rank, finalize_model_grads, nonfinite_flags
+from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
+from core.optimizer.distrib_optimizer import BufferMasks, DistributedOptimizer, optimizer_state_bytes
+from core.optimizer.optimizer_config import OptimizerConfig
+from core.parallel_state import ParallelState
+from core.param_metadata import param_info_tree, unbox
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+class DistributedDataParallel:
+    """Megatron's ``DistributedDataParallel(config, ddp_config, module)`` for a flax linen module.
+
+    ``config`` is the :class:`~core.parallel_state.ParallelState` (None: the default one);
+    ``optimizer`` an optax transformation or an :class:`OptimizerConfig`.
+    """
+
+    def __init__(
+        self,
+        config: ParallelState | None,
+        ddp_config: DistributedDataParallelConfig,
+        module: nn.Module,
+        optimizer: optax.GradientTransformation | OptimizerConfig | None = None,
+        learning_rate: float | optax.Schedule | None = None,
+    ):
+        self.state = config if config is not None else parallel_state.get_parallel_state()
+        self.ddp_config = ddp_config
+        self.module = module
+        self.optimizer_spec = optimizer if optimizer is not None else OptimizerConfig()
+        self.learning_rate = learning_rate
+        self._is_last_microbatch = True
+        self._grad_buffers = None
+        self._reduced = None
+        self._metadata = None
+
+    # -- layout ----------------------------------------------------------------------------
+    @property
+    def mesh(self):
+        """The global mesh."""
+        return self.state.mesh
+
+    @property
+    def local_spec(self) -> P:
+        """Spec of device-local values stored with a leading per-device axis."""
+        return P(tuple(self.mesh.axis_names))
+
+    @property
+    def batch_spec(self) -> P:
+        """Batches are split along dim 0 over data parallelism."""
+        return P(self.state.data_parallel_axis_name)
+
+    def _require_init(self):
+        if self._metadata is None:
+            raise RuntimeError("call DistributedDataParallel.init(rng, *sample_inputs) first")
+        return self._metadata
+
+    def _shard_map(self, f, in_specs, out_specs):
+        return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+    def _to_local(self, tree):
+        return jax.tree.map(lambda x: x[0], tree)
+
+    def _from_local(self, tree):
+        return jax.tree.map(lambda x: x[None], tree)
+
+    # -- init ------------------------------------------------------------------------------
+    def init(self, rng: jax.Array, *sample_inputs: Any) -> Any:
+        """Initialise parameters (global arrays) from one microbatch's local-shaped sample inputs.
+
+        Reads the parameters' parallel metadata, builds the buffers and the optimizer.
+        """
+        init_fn = lambda r, *a: self.module.init(r, *a)
+        in_specs = (P(),) * (1 + len(sample_inputs))
+        boxed = jax.eval_shape(self._shard_map(init_fn, in_specs, P()), rng, *sample_inputs)
+        info_tree = param_info_tree(boxed)
+        specs_tree = jax.tree.map(lambda i: i.partition_spec, info_tree)
+        params = jax.jit(self._shard_map(lambda r, *a: unbox(init_fn(r, *a)), in_specs, specs_tree))(
+            rng, *sample_inputs)
+        leaves, treedef = jax.tree.flatten(params)
+        infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
+        local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
+        dp = self.state.data_parallel_size * self.state.context_parallel_size
+        specs = build_buffer_specs(
+            local_shapes, [x.dtype for x in leaves], infos, data_parallel_size=dp,
+            bucket_size=self.ddp_config.effective_bucket_size(dp),
+            use_distributed_optimizer=self.ddp_config.use_distributed_optimizer,
+            grad_reduce_in_fp32=self.ddp_config.grad_reduce_in_fp32,
+            pad_buckets_for_high_nccl_busbw=self.ddp_config.pad_buckets_for_high_nccl_busbw,
+        )
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        self._metadata = {
+            "treedef": treedef, "infos": infos, "specs": specs, "param_specs": specs_tree, "paths": paths,
+            "masks": BufferMasks.build(specs, infos).as_arrays(),
+            "optimizer": DistributedOptimizer(self.optimizer_spec, specs, self.state, self.ddp_config,
+                                              self.learning_rate),
+        }
+        return params
+
+    def _local_shape(self, shape, spec):
+        out = list(shape)
+        for d, entry in enumerate(spec):
+            for a in (entry if isinstance(entry, tuple) else (entry,)):
+                if a is not None:
+                    out[d] //= self.mesh.shape[a]
+        return out
+
+    @property
+    def buffer_specs(self):
+        """The gradient buffers (dtype keys, members, bucket layouts)."""
+        return self._require_init()["specs"]
+
+    @property
+    def param_paths(self) -> list[str]:
+        """Tree path of every parameter (flattened order)."""
+        return self._require_init()["paths"]
+
+    def init_optimizer(self, params: Any) -> Any:
+        """Optimizer state (device-local: each dp rank holds only its shards when distributed)."""
+        meta = self._require_init()
+        fn = lambda p: self._from_local(meta["optimizer"].init(jax.tree.leaves(p)))
+        return jax.jit(self._shard_map(fn, (meta["param_specs"],), self.local_spec))(params)
+
+    # -- the fused step --------------------------------------------------------------------
+    def make_train_step(self, loss_fn: LossFn, num_microbatches: int = 1, *, per_token_loss: bool = False):
+        """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+        ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
+        microbatch's mean loss, or ``(loss_sum, num_tokens)`` with ``per_token_loss``. The batch
+        is a pytree of global arrays whose dim 0 (the global batch) is split over data
+        parallelism and then into ``num_microbatches``. Metrics: ``loss`` (global mean),
+        ``grad_norm`` (before clipping), ``nonfinite`` (device-local per-param flags),
+        ``skipped`` (update skipped because of a NaN/Inf grad).
+        """
+        meta = self._require_init()
+        step = self._step_body(loss_fn, num_microbatches, per_token_loss)
+        metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
+        fn = self._shard_map(step, (meta["param_specs"], self.local_spec, self.batch_spec, P()),
+                             (meta["param_specs"], self.local_spec, metric_specs))
+        jitted = jax.jit(fn, donate_argnums=(1,))
+
+        def train_step(params, opt_state, batch):
+            return jitted(params, opt_state, batch, meta["masks"])
+
+        return train_step
+
+    def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss):
+        """Accumulated local grads, summed loss and token count over the microbatches."""
+        grad_dtype = jnp.float32 if self.ddp_config.grad_reduce_in_fp32 else None
+        m = num_microbatches
+        mbs = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+
+        def one(mb):
+            if per_token_loss:
+                (loss, tokens), g = jax.value_and_grad(lambda p: loss_fn(p, mb), has_aux=True)(params)
+            else:
+                loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) / m)(params)
+                tokens = jnp.zeros((), jnp.float32)
+            g = jax.tree.map(lambda x: x.astype(grad_dtype or x.dtype), g)
+            return g, loss, jnp.asarray(tokens, jnp.float32)
+
+        def add(carry, mb):
+            g, loss, tokens = one(mb)
+            return jax.tree.map(jnp.add, carry, (g, loss, tokens)), None
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, first))
+        if self.ddp_config.overlap_grad_reduce and m > 1:
+            # Unroll the last microbatch so each bucket's collective can start during its backward.
+            acc, _ = lax.scan(add, zero, jax.tree.map(lambda x: x[:-1], mbs))
+            acc, _ = add(acc, jax.tree.map(lambda x: x[-1], mbs))
+        else:
+            acc, _ = lax.scan(add, zero, mbs)
+        return acc
+
+    def _step_body(self, loss_fn, num_microbatches, per_token_loss):
+        meta = self._require_init()
+        state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
+        dp_axes = state.data_parallel_with_context_axis_name
+
+        def body(params, opt_state, batch, masks):
+            opt_state = self._to_local(opt_state)
+            grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss)
+            leaves = jax.tree.leaves(params)
+            grad_leaves = jax.tree.leaves(grads)
+            flags = nonfinite_flags(grad_leaves)
+            reduced = finalize_model_grads(grad_leaves, meta["infos"], meta["specs"], ddp_config, state,
+                                           num_tokens=tokens if per_token_loss else None)
+            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks)
+            new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
+            skipped = jnp.zeros((), bool)
+            if ddp_config.check_for_nan_in_grad:
+                skipped = any_rank(jnp.any(flags), state)
+                keep = lambda new, old: jnp.where(skipped, old, new)
+                new_params = jax.tree.map(keep, new_params, params)
+                new_opt = jax.tree.map(keep, new_opt, opt_state)
+            if per_token_loss:
+                mean_loss = lax.psum(loss, dp_axes) / jnp.maximum(lax.psum(tokens, dp_axes), 1.0)
+            else:
+                mean_loss = lax.pmean(loss, dp_axes)
+            metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped}
+            return new_params, self._from_local(new_opt), metrics
+
+        return body
+
+    def check_nonfinite(self, metrics: dict[str, Any]) -> None:
+        """Raise ``FloatingPointError`` naming params and ranks if the step saw a NaN/Inf grad.
+
+        Params and optimizer state were left untouched by that step (the update was skipped).
+        """
+        if not bool(metrics["skipped"]):
+            return
+        from jax.experimental import multihost_utils
+
+        flags = np.asarray(multihost_utils.process_allgather(metrics["nonfinite"], tiled=True))
+        ranks = self.state.device_ranks.reshape(-1)
+        bad = [(int(ranks[d]), self.param_paths[i]) for d, i in zip(*np.nonzero(flags), strict=True)]
+        names = "; ".join(f"rank {r}: params{p}" for r, p in bad[:10])
+        raise FloatingPointError(
+            f"NaN or Inf in local gradients ({len(bad)} param/rank pairs): {names}. "
+            "The update was skipped; parameters and optimizer state are unchanged."
+        )
+
+    def optimizer_state_bytes_per_device(self, opt_state: Any) -> int:
+        """Optimizer-state bytes one device holds (master shards + optax state)."""
+        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), opt_state)
+        return optimizer_state_bytes(local)
+
+    # -- Megatron's facade -----------------------------------------------------------------
+    def zero_grad_buffer(self) -> None:
+        """Zero the (device-local) grad buffers before a new step's microbatches."""
+        meta = self._require_init()
+        fn = lambda: self._from_local(tuple(
+            tuple(jnp.zeros(n, jnp.dtype(s.key.grad_dtype)) for n in s.bucket_sizes()) for s in meta["specs"]))
+        self._grad_buffers = jax.jit(self._shard_map(fn, (), self.local_spec))()
+        self._reduced = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Microbatches inside accumulate without reducing (Megatron's ``no_sync``)."""
+        self._is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._is_last_microbatch = True
+
+    def backward(self, loss_fn: LossFn, params: Any, microbatch: Any, scale: float = 1.0) -> jax.Array:
+        """Add ``scale * grad(loss_fn)`` of one (global) microbatch to the grad buffers; return the loss.
+
+        Outside :meth:`no_sync` this also starts the grad sync, as Megatron's hooks do on the
+        last microbatch. Model-parallel sums (``finalize_model_grads``) apply to the buffers'
+        params at sync time.
+        """
+        meta = self._require_init()
+        if self._grad_buffers is None:
+            self.zero_grad_buffer()
+
+        def fn(params, buffers, mb):
+            loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
+            buffers = self._to_local(buffers)
+            leaves = jax.tree.leaves(g)
+            new = tuple(tuple(b + a for b, a in zip(bs, flatten_to_buckets(leaves, s), strict=True))
+                        for s, bs in zip(meta["specs"], buffers, strict=True))
+            return self._from_local(new), lax.pmean(loss, self.state.data_parallel_with_context_axis_name)
+
+        self._grad_buffers, loss = jax.jit(self._shard_map(
+            fn, (meta["param_specs"], self.local_spec, self.batch_spec), (self.local_spec, P())))(
+            params, self._grad_buffers, microbatch)
+        if self._is_last_microbatch:
+            self.start_grad_sync()
+        return loss
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply the grad buffers by ``scaling_factor``."""
+        self._grad_buffers = jax.tree.map(lambda b: b * scaling_factor, self._grad_buffers)
+
+    def start_grad_sync(self) -> None:
+        """Reduce the grad buffers over data parallelism (plus finalize's model-parallel sums)."""
+        meta = self._require_init()
+        def fn(buffers):
+            buffers = self._to_local(buffers)
+            leaves: dict[int, jax.Array] = {}
+            for spec, bs in zip(meta["specs"], buffers, strict=True):
+                leaves.update(unflatten_from_buckets(bs, spec))
+            grad_leaves = [leaves[i] for i in range(len(leaves))]
+            return self._from_local(finalize_model_grads(grad_leaves, meta["infos"], meta["specs"],
+                                                         self.ddp_config, self.state))
+
+        self._reduced = jax.jit(self._shard_map(fn, (self.local_spec,), self.local_spec))(self._grad_buffers)
+
+    def finish_grad_sync(self) -> Any:
+        """Wait for (start if needed) the grad sync; return the reduced buckets (or shards)."""
+        if self._reduced is None:
+            self.start_grad_sync()
+        return self._reduced
+
+    def optimizer_step(self, params: Any, opt_state: Any) -> tuple[Any, Any, jax.Array]:
+        """Clip and step with the synced grads; gathers params (``start_param_sync``) when sharded."""
+        meta = self._require_init()
+        reduced = self.finish_grad_sync()
+
+        def fn(params, opt_state, reduced, masks):
+            leaves = jax.tree.leaves(params)
+            new_leaves, new_opt, norm = meta["optimizer"].step(self._to_local(opt_state), self._to_local(reduced),
+                                                               leaves, masks)
+            new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
+            return new_params, self._from_local(new_opt), norm
+
+        specs = (meta["param_specs"], self.local_spec, self.local_spec, P())
+        return jax.jit(self._shard_map(fn, specs, (meta["param_specs"], self.local_spec, P())))(
+            params, opt_state, reduced, meta["masks"])
+
+    def start_param_sync(self, params: Any) -> Any:
+        """Make every data-parallel rank's params equal to dp rank 0's (all-gather analogue).
+
+        The optimizer step already gathers updated shards; this re-syncs params that were
+        changed outside it (e.g. loaded on one rank).
+        """
+        return self.broadcast_params(params)
+
+    def broadcast_params(self, params: Any) -> Any:
+        """Broadcast params from data-parallel rank 0 to the other data-parallel ranks."""
+        meta = self._require_init()
+        axes = self.state.data_parallel_with_context_axis_name
+
+        def fn(p):
+            first = lax.axis_index(axes) == 0
+            return jax.tree.map(lambda x: lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axes), p)
+
+        return jax.jit(self._shard_map(fn, (meta["param_specs"],), meta["param_specs"]))(params)
+
+    def shard_batch(self, local_batch: Any) -> Any:
+        """Global batch arrays from each process's local rows (split over data parallelism)."""
+        sharding = NamedSharding(self.mesh, self.batch_spec)
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)

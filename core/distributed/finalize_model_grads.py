@@ -1,0 +1,104 @@
+"""``finalize_model_grads``: every cross-rank gradient reduction of a training step, in order.
+
+Loss normalisation — the one place it is defined
+-------------------------------------------------
+The training objective is the mean loss over the global batch (all microbatches on all
+data-parallel ranks). Three factors produce it, each applied exactly once:
+
+1. the forward step / pipeline schedule divides each microbatch's (mean) loss by
+   ``num_microbatches`` before differentiating it (Megatron's ``loss / num_microbatches``;
+   times ``cp`` with context parallelism, as Megatron);
+2. the data-parallel reduction (:mod:`core.distributed.grad_sync`) sums grads over the
+   data-parallel (x context-parallel) group and divides by its size ``dp*cp`` (pre-scale, or
+   an average in the collective);
+3. with per-token losses instead (the loss function returns a *sum* over tokens and the
+   token count), steps 1-2 use factor 1 and this function divides the summed gradients by
+   the global token count, ``num_tokens`` all-reduced over data (+context) parallelism.
+
+Model-parallel reductions, SPMD form of Megatron's groups
+---------------------------------------------------------
+* tensor parallelism: grads of ``sequence_parallel`` params (norms and row-parallel biases
+  fed by sequence shards) are partial per tp rank and are summed over ``"tp"``;
+* pipeline parallelism: every stage runs the same program, so a parameter that is not split
+  over ``"pp"`` (the tied word embedding used by the first stage's lookup and the last
+  stage's output layer, position embeddings, ...) exists on every stage and receives
+  gradient only where it is used; summing over ``"pp"`` is Megatron's embedding-group
+  all-reduce, and it keeps all copies identical;
+* data parallelism: bucketed all-reduce / reduce-scatter (Megatron's ``finish_grad_sync``),
+  expert buffers over the expert-data-parallel group.
+
+All three are sums, so their order does not change the result; the model-parallel ones run
+on the (small) affected parameters before flattening, the data-parallel one on buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.distributed.grad_sync import reduce_gradient_buckets
+from core.distributed.param_and_grad_buffer import BufferSpec, flatten_to_buckets
+from core.parallel_state import PP_AXIS, TP_AXIS, ParallelState
+from core.param_metadata import ParamInfo
+
+
+def _spec_axes(info: ParamInfo) -> set[str]:
+    return {a for e in info.partition_spec for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+
+
+def allreduce_model_parallel_grads(
+    grad_leaves: Sequence[jax.Array], infos: Sequence[ParamInfo], state: ParallelState
+) -> list[jax.Array]:
+    """Sum sequence-parallel grads over tp and pipeline-replicated grads over pp."""
+    out = list(grad_leaves)
+    for i, info in enumerate(infos):
+        if info.sequence_parallel and state.tensor_model_parallel_size > 1:
+            out[i] = lax.psum(out[i], TP_AXIS)
+        if state.pipeline_model_parallel_size > 1 and PP_AXIS not in _spec_axes(info):
+            out[i] = lax.psum(out[i], PP_AXIS)
+    return out
+
+
+def finalize_model_grads(
+    grad_leaves: Sequence[jax.Array],
+    infos: Sequence[ParamInfo],
+    specs: Sequence[BufferSpec],
+    ddp_config: DistributedDataParallelConfig,
+    state: ParallelState,
+    num_tokens: jax.Array | None = None,
+) -> tuple[tuple[jax.Array, ...], ...]:
+    """All gradient reductions of a step (inside ``shard_map``); returns the reduced buckets.
+
+    ``grad_leaves`` are this device's accumulated local grads in flattened-tree order. The
+    result holds, per buffer, the fully reduced buckets (or this rank's shards with the
+    distributed optimizer). With ``num_tokens`` (this rank's token count) the grads are
+    divided by the global token count (see the module docstring).
+    """
+    leaves = allreduce_model_parallel_grads(grad_leaves, infos, state)
+    buffers = [flatten_to_buckets(leaves, spec) for spec in specs]
+    reduced = reduce_gradient_buckets(buffers, specs, ddp_config, state, per_token_loss=num_tokens is not None)
+    if num_tokens is not None:
+        total = lax.psum(jnp.asarray(num_tokens, jnp.float32), state.data_parallel_with_context_axis_name)
+        scale = 1.0 / jnp.maximum(total, 1.0)
+        reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
+    return reduced
+
+
+def nonfinite_flags(grad_leaves: Sequence[jax.Array]) -> jax.Array:
+    """One bool per leaf: whether this device's gradient has a NaN or Inf (before reduction)."""
+    return jnp.stack([~jnp.all(jnp.isfinite(g)) for g in grad_leaves]) if grad_leaves else jnp.zeros(0, bool)
+
+
+def any_rank(flag: jax.Array, state: ParallelState) -> jax.Array:
+    """True on every device when ``flag`` is true on any device of the mesh."""
+    return lax.psum(jnp.asarray(flag, jnp.int32), tuple(state.mesh.axis_names)) > 0
+
+
+def tree_any(tree: Any) -> jax.Array:
+    """Whether any boolean leaf of ``tree`` is true."""
+    return jnp.any(jnp.stack([jnp.any(x) for x in jax.tree.leaves(tree)]))
