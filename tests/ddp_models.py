@@ -60,7 +60,7 @@ def reference_train(module, params, batches, config: OptimizerConfig):
         loss, g = jax.value_and_grad(loss_fn)(params, batch)
         if config.clip_grad:
             coef = clip_coefficient(optax.tree.norm(g), config.clip_grad)
-            g = jax.tree.map(lambda x: x * coef, g)
+            g = jax.tree.map(lambda x, c=coef: x * c, g)
         updates, opt = tx.update(g, opt, params)
         params = optax.apply_updates(params, updates)
         losses.append(float(loss))

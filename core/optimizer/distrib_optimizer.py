@@ -132,7 +132,8 @@ class DistributedOptimizer:
     def init(self, param_leaves: Sequence[jax.Array]) -> dict[str, Any]:
         """Optimizer state for this rank: fp32 master shards (non-fp32 buffers) and the optax state."""
         shards = self._param_shards(param_leaves)
-        master = tuple(s if spec.key.param_dtype != "float32" else () for spec, s in zip(self.specs, shards, strict=True))
+        master = tuple(s if spec.key.param_dtype != "float32" else ()
+                       for spec, s in zip(self.specs, shards, strict=True))
         return {"master": master, "inner": self._tx().init(shards)}
 
     def grad_norm(self, grad_shards: Sequence[Buckets], masks: dict[str, Any]) -> jax.Array:
