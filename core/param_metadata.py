@@ -33,6 +33,13 @@ class ParallelPartitioned(nn.Partitioned):
     expert: bool = struct.field(pytree_node=False, default=False)
     """Expert parameter: reduced over the expert-data-parallel group, not the dense one."""
 
+    def unbox(self, apply_constraint: bool = True) -> Any:
+        """The raw value. Layers run inside ``shard_map`` on local shards, where a sharding
+        constraint is meaningless (and rejected for manual axes); the specs are applied by
+        ``shard_map``'s ``in_specs``/``out_specs`` instead."""
+        del apply_constraint
+        return self.value
+
 
 def with_parallel_metadata(
     init_fn: Callable[..., Any],
