@@ -54,14 +54,19 @@ def reference_train(module, params, batches, config: OptimizerConfig):
     """Plain single-device training on whole global batches; returns params and losses."""
     loss_fn = mse_loss(module)
     tx = reference_tx(config, params)
-    opt = tx.init(params)
-    losses = []
-    for batch in batches:
+
+    @jax.jit
+    def step(params, opt, batch):
         loss, g = jax.value_and_grad(loss_fn)(params, batch)
         if config.clip_grad:
             coef = clip_coefficient(optax.tree.norm(g), config.clip_grad)
-            g = jax.tree.map(lambda x, c=coef: x * c, g)
+            g = jax.tree.map(lambda x: x * coef, g)
         updates, opt = tx.update(g, opt, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), opt, loss
+
+    opt = tx.init(params)
+    losses = []
+    for batch in batches:
+        params, opt, loss = step(params, opt, batch)
         losses.append(float(loss))
     return params, losses

@@ -70,3 +70,72 @@ def test_average_in_collective_matches_prescaling(average_in_collective):
     base = _run_ddp(state, DistributedDataParallelConfig(), cfg, 2, steps=2)[1]
     other = _run_ddp(state, DistributedDataParallelConfig(average_in_collective=average_in_collective), cfg, 2, steps=2)[1]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), base, other)
+
+
+def test_nan_grad_skips_update_and_names_param_and_rank():
+    state = ps.build_parallel_state()
+    module = MLP()
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(check_for_nan_in_grad=True,
+                                                                       use_distributed_optimizer=True), module)
+    x, y = make_batch(GLOBAL_BATCH)
+    params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
+    opt_state = ddp.init_optimizer(params)
+    before = jax.tree.map(np.asarray, (params, opt_state))
+    x[13, 0] = np.nan  # row 13 of 32 lives on data-parallel rank 3
+    step = ddp.make_train_step(mse_loss(module))
+    params, opt_state, metrics = step(params, opt_state, ddp.shard_batch((x, y)))
+    assert bool(metrics["skipped"])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (params, opt_state)), before)
+    with pytest.raises(FloatingPointError, match=r"rank 3: params\['params'\]\['layer_00'\]\['kernel'\].*unchanged"):
+        ddp.check_nonfinite(metrics)
+    ok = ddp.make_train_step(mse_loss(module))(params, opt_state, ddp.shard_batch(make_batch(GLOBAL_BATCH)))[2]
+    assert not bool(ok["skipped"])
+    ddp.check_nonfinite(ok)
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_megatron_facade_equals_fused_step(use_distributed_optimizer):
+    state = ps.build_parallel_state()
+    module = MLP()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer, bucket_size=300)
+    opt_config = OptimizerConfig(optimizer="sgd", lr=0.05, clip_grad=0.0)
+    ddp = DistributedDataParallel(state, ddp_config, module, opt_config)
+    x, y = make_batch(GLOBAL_BATCH)
+    params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
+    fused_params, _, metrics = ddp.make_train_step(mse_loss(module), 2)(params, ddp.init_optimizer(params),
+                                                                       ddp.shard_batch((x, y)))
+    # Megatron's loop: zero, accumulate microbatches under no_sync, last one syncs, step.
+    ddp.zero_grad_buffer()
+    # Every rank's 4 rows split in two halves (not the fused step's split: losses are means).
+    micro = [(np.concatenate([x[r * 4:(r + 1) * 4][k::2] for r in range(8)]),
+              np.concatenate([y[r * 4:(r + 1) * 4][k::2] for r in range(8)])) for k in range(2)]
+    with ddp.no_sync():
+        ddp.backward(mse_loss(module), params, ddp.shard_batch(micro[0]), scale=0.5)
+    ddp.backward(mse_loss(module), params, ddp.shard_batch(micro[1]), scale=0.5)
+    facade_params, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 facade_params, fused_params)
+    # broadcast_params keeps data-parallel rank 0's copy everywhere.
+    synced = ddp.broadcast_params(facade_params)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), synced, facade_params)
+
+
+def test_per_token_loss_normalisation_matches_mean_loss():
+    state = ps.build_parallel_state()
+    module = MLP()
+    cfg = OptimizerConfig(optimizer="sgd", lr=0.05, sgd_momentum=0.0, weight_decay=0.0)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), module, cfg)
+    x, y = make_batch(GLOBAL_BATCH)
+    params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
+
+    def summed(p, batch):
+        bx, by = batch
+        err = (module.apply(p, bx) - by) ** 2
+        return jnp.sum(err), jnp.asarray(err.size, jnp.float32)
+
+    mean_step = ddp.make_train_step(mse_loss(module), 2)
+    token_step = ddp.make_train_step(summed, 2, per_token_loss=True)
+    a = mean_step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
+    b = token_step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
+    np.testing.assert_allclose(float(a[2]["loss"]), float(b[2]["loss"]), rtol=1e-6)
+    jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-7), a[0], b[0])
