@@ -154,7 +154,7 @@ def print_tables(rows: list[dict], stall_rows: dict[tuple[int, str], list[dict]]
     print("|---|---|---|---|---|---|---|---|")
     table = {(r["world"], r["bytes"], r["op"]): r["seconds"] for r in rows}
     for world, size in sorted({(r["world"], r["bytes"]) for r in rows}):
-        def cell(op):
+        def cell(op, world=world, size=size):
             t = table[(world, size, op)]
             return f"{t * 1e3:.2f} ({size / t * bus_factor(op, world) / 1e9:.2f})"
 
