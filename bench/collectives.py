@@ -22,11 +22,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-ROW = "ROW "
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpi_launch import emit, launch  # noqa: E402
+
 STALL_SEQUENCES = {
     "all-reduce 4 MiB alone": ["ar:1048576"],
     "raw psum_scatter 1 KiB, then all-reduce 4 MiB": ["rs_raw:256", "ar:1048576"],
@@ -112,7 +113,7 @@ def worker_table(sizes: list[int], reps: int) -> None:
             numel //= n  # all-gather input is the per-rank shard of the `size` output
         seconds = _time(ops[op], _input(state, numel), reps)
         if jax.process_index() == 0:
-            print(ROW + json.dumps({"world": n, "op": op, "bytes": size, "seconds": seconds}), flush=True)
+            emit({"world": n, "op": op, "bytes": size, "seconds": seconds})
 
 
 def worker_sequence(steps: list[str], reps: int) -> None:
@@ -124,22 +125,10 @@ def worker_sequence(steps: list[str], reps: int) -> None:
         op, numel = step.split(":")
         seconds = _time(ops[op], _input(state, int(numel)), reps)
         if jax.process_index() == 0:
-            print(ROW + json.dumps({"world": state.world_size, "step": step, "seconds": seconds}), flush=True)
+            emit({"world": state.world_size, "step": step, "seconds": seconds})
 
 
 # ----------------------------------------------------------------------------- driver
-
-
-def launch(world: int, worker_args: list[str], timeout: int) -> list[dict]:
-    """Run this file under mpirun with ``world`` ranks; return rank 0's rows."""
-    env = dict(os.environ)
-    if os.geteuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "-n", str(world), sys.executable, os.path.abspath(__file__), *worker_args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode:
-        sys.exit(f"worker failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
-    return [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -186,10 +175,10 @@ def main() -> None:
         return worker_sequence(args.steps.split(","), args.reps)
     rows, stall_rows = [], {}
     for world in (int(w) for w in args.world_sizes.split(",")):
-        rows += launch(world, ["--worker", "table", "--sizes", args.sizes, "--reps", str(args.reps)], 1800)
+        rows += launch(__file__, world, ["--worker", "table", "--sizes", args.sizes, "--reps", str(args.reps)], 1800)
         if not args.no_stall:
             for name, steps in STALL_SEQUENCES.items():
-                stall_rows[(world, name)] = launch(world, ["--worker", "sequence", "--steps", ",".join(steps),
+                stall_rows[(world, name)] = launch(__file__, world, ["--worker", "sequence", "--steps", ",".join(steps),
                                                            "--reps", "1"], 600)
     print_tables(rows, stall_rows)
     if args.json:

@@ -1,0 +1,27 @@
+"""Shared by the benchmarks: run a script under mpirun in worker mode and collect rank 0's rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROW = "ROW "
+
+
+def emit(row: dict) -> None:
+    """Print one result row (call on rank 0 only)."""
+    print(ROW + json.dumps(row), flush=True)
+
+
+def launch(script: str, world: int, worker_args: list[str], timeout: int) -> list[dict]:
+    """``mpirun -n world python script worker_args``; returns the rows rank 0 emitted."""
+    env = dict(os.environ)
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "-n", str(world), sys.executable, os.path.abspath(script), *worker_args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        sys.exit(f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
