@@ -35,7 +35,7 @@ def test_matches_full_softmax(tp, eps):
         loss, vjp = jax.vjp(lambda lg: vocab_parallel_cross_entropy(lg, tgt, eps), local_logits)
         return loss, vjp(w)[0]
 
-    per_rank_logits, per_rank = [], []
+    per_rank_logits = []
     for r in range(8):
         i = state.group_rank(r, ("tp",))
         per_rank_logits.append(np.split(logits, tp, axis=-1)[i])

@@ -13,7 +13,7 @@ tensor-parallel rank every function is the identity.
 | scatter_to_tensor_model_parallel_region | keep own last-dim chunk | all-gather last dim |
 | gather_from_tensor_model_parallel_region | all-gather last dim | keep own chunk |
 | scatter_to_sequence_parallel_region | keep own dim-0 chunk | all-gather dim 0 |
-| gather_from_sequence_parallel_region | all-gather dim 0 | reduce-scatter dim 0 (split if not tensor_parallel_output_grad) |
+| gather_from_sequence_parallel_region | all-gather dim 0 | reduce-scatter dim 0 (split if flag False) |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter dim 0 | all-gather dim 0 |
 | all_gather_last_dim_from_tensor_parallel_region | all-gather last dim | reduce-scatter last dim |
 | reduce_scatter_last_dim_to_tensor_parallel_region | reduce-scatter last dim | all-gather last dim |
