@@ -1,0 +1,145 @@
+"""Tensor-parallel layers at tp in {1, 2, 4, 8} equal the dense single-device layer."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from core import parallel_state as ps
+from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
+from core.param_metadata import param_info_tree, unbox
+from core.tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
+
+S, B, H, F, V = 8, 2, 16, 32, 24
+TPS = [1, 2, 4, 8]
+
+
+def _init(state, module, x, x_spec):
+    init = lambda r, x: module.init(r, x)
+    boxed = jax.eval_shape(jax.shard_map(init, mesh=state.mesh, in_specs=(P(), x_spec), out_specs=P(),
+                                         check_vma=False), jax.random.key(0), x)
+    specs = nn.get_partition_spec(boxed)
+    params = jax.jit(jax.shard_map(lambda r, x: unbox(init(r, x)), mesh=state.mesh, in_specs=(P(), x_spec),
+                                   out_specs=specs, check_vma=False))(jax.random.key(0), x)
+    return params, specs, param_info_tree(boxed)
+
+
+def run_layer(tp, module, x, x_spec, cot, y_spec, output=lambda out: out[0]):
+    """Global params, output, param grads (after finalize's tp sums) and input grad."""
+    state = ps.build_parallel_state(tp)
+    params, specs, infos = _init(state, module, x, x_spec)
+
+    def body(params, x, cot):
+        y, vjp = jax.vjp(lambda p, x: output(module.apply(p, x)), params, x)
+        gp, gx = vjp(cot)
+        leaves, treedef = jax.tree.flatten(gp)
+        info_leaves = jax.tree.leaves(infos, is_leaf=lambda i: hasattr(i, "partition_spec"))
+        gp = jax.tree.unflatten(treedef, allreduce_model_parallel_grads(leaves, info_leaves, state))
+        return y, gp, gx
+
+    fn = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(specs, x_spec, y_spec),
+                               out_specs=(y_spec, specs, x_spec), check_vma=False))
+    y, gp, gx = fn(params, x, cot)
+    to_np = lambda t: jax.tree.map(np.asarray, t)
+    return to_np(params), to_np(y), to_np(gp), np.asarray(gx)
+
+
+def _check(got, want):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-5), got, want)
+
+
+def _data(*shape, seed=0):
+    return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("mode", ["plain", "gather_output", "sequence_parallel", "skip_bias_add"])
+def test_column_parallel_linear(tp, mode):
+    module = ColumnParallelLinear(H, F, gather_output=mode == "gather_output",
+                                  sequence_parallel=mode == "sequence_parallel", skip_bias_add=mode == "skip_bias_add")
+    x, cot = _data(S, B, H), _data(S, B, F, seed=1)
+    x_spec = P("tp") if mode == "sequence_parallel" else P()
+    y_spec = P() if mode == "gather_output" else P(None, None, "tp")
+    output = (lambda out: out[0] + out[1]) if mode == "skip_bias_add" else (lambda out: out[0])
+    params, y, gp, gx = run_layer(tp, module, jnp.asarray(x), x_spec, jnp.asarray(cot), y_spec, output)
+    # tp-invariant init: the same weights as at tp=1.
+    ref_params = run_layer(1, module, jnp.asarray(x), P(), jnp.asarray(cot), y_spec if tp > 1 else y_spec, output)[0]
+    _check(params, ref_params)
+    dense = lambda p, x: x @ p["params"]["weight"].T + p["params"]["bias"]
+    want_y, vjp = jax.vjp(dense, params, x)
+    want_gp, want_gx = vjp(cot)
+    _check(y, want_y)
+    _check(gp, want_gp)
+    _check(gx, want_gx)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("mode", ["plain", "input_is_parallel", "sequence_parallel"])
+def test_row_parallel_linear(tp, mode):
+    module = RowParallelLinear(F, H, input_is_parallel=mode != "plain", sequence_parallel=mode == "sequence_parallel")
+    x, cot = _data(S, B, F), _data(S, B, H, seed=1)
+    x_spec = P() if mode == "plain" else P(None, None, "tp")
+    y_spec = P("tp") if mode == "sequence_parallel" else P()
+    params, y, gp, gx = run_layer(tp, module, jnp.asarray(x), x_spec, jnp.asarray(cot), y_spec)
+    dense = lambda p, x: x @ p["params"]["weight"].T + p["params"]["bias"]
+    want_y, vjp = jax.vjp(dense, params, x)
+    want_gp, want_gx = vjp(cot)
+    _check(y, want_y)
+    _check(gp, want_gp)
+    _check(gx, want_gx)
+
+
+@pytest.mark.parametrize("tp", TPS)
+@pytest.mark.parametrize("reduce_scatter", [False, True])
+def test_vocab_parallel_embedding(tp, reduce_scatter):
+    module = VocabParallelEmbedding(V, H, reduce_scatter_embeddings=reduce_scatter)
+    ids = np.random.default_rng(0).integers(0, V, size=(B, S)).astype(np.int32)
+    cot = _data(S, B, H, seed=1) if reduce_scatter else _data(B, S, H, seed=1)
+    state = ps.build_parallel_state(tp)
+    params, specs, _ = _init(state, module, jnp.asarray(ids), P())
+    y_spec = P("tp") if reduce_scatter else P()
+
+    def body(params, ids, cot):
+        y, vjp = jax.vjp(lambda p: module.apply(p, ids), params)
+        return y, vjp(cot)[0]
+
+    y, gp = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(specs, P(), y_spec), out_specs=(y_spec, specs),
+                                  check_vma=False))(params, ids, cot)
+    dense = lambda p: p["params"]["weight"][ids].swapaxes(0, 1) if reduce_scatter else p["params"]["weight"][ids]
+    want_y, vjp = jax.vjp(dense, jax.tree.map(np.asarray, params))
+    _check(np.asarray(y), want_y)
+    _check(jax.tree.map(np.asarray, gp), vjp(cot)[0])
+    if tp > 1:
+        _check(jax.tree.map(np.asarray, params), jax.tree.map(np.asarray, _init(ps.build_parallel_state(1), module,
+                                                                                jnp.asarray(ids), P())[0]))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_parallel_mlp_block_equals_dense_block(tp, sequence_parallel):
+    module = ParallelMLP(H, F, sequence_parallel=sequence_parallel)
+    x, cot = _data(S, B, H), _data(S, B, H, seed=1)
+    spec = P("tp") if sequence_parallel else P()
+    params, y, gp, gx = run_layer(tp, module, jnp.asarray(x), spec, jnp.asarray(cot), spec, output=lambda out: out)
+
+    def dense(p, x):
+        p = p["params"]
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        h = (x - mean) / jnp.sqrt(var + 1e-6) * p["layernorm"]["scale"] + p["layernorm"]["bias"]
+        h = jax.nn.gelu(h @ p["fc1"]["weight"].T + p["fc1"]["bias"])
+        return x + h @ p["fc2"]["weight"].T + p["fc2"]["bias"]
+
+    want_y, vjp = jax.vjp(dense, params, x)
+    want_gp, want_gx = vjp(cot)
+    _check(y, want_y)
+    _check(gp, want_gp)
+    _check(gx, want_gx)
+
+
+def test_indivisible_sizes_raise():
+    state = ps.build_parallel_state(4)
+    with pytest.raises(ValueError, match="18 is not divisible by 4"):
+        _init(state, ColumnParallelLinear(H, 18), jnp.zeros((S, B, H)), P())
