@@ -79,7 +79,8 @@ def async_scatter_split(xs: Sequence[PyTree], axis_name: str) -> PyTree:
     y_up = jax.tree.map(lambda v: half(v, 0), xs[0])
     y_down = jax.tree.map(lambda v: half(v, 1), xs[0])
     for x in xs[1:]:
-        y_up = jax.tree.map(jnp.add, lax.ppermute(y_up, axis_name, _shift(n, True)), jax.tree.map(lambda v: half(v, 0), x))
+        y_up = jax.tree.map(jnp.add, lax.ppermute(y_up, axis_name, _shift(n, True)),
+                            jax.tree.map(lambda v: half(v, 0), x))
         y_down = jax.tree.map(jnp.add, lax.ppermute(y_down, axis_name, _shift(n, False)),
                               jax.tree.map(lambda v: half(v, 1), x))
     return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=-1), y_up, y_down)

@@ -34,6 +34,7 @@ from core.tensor_parallel.mappings import (
 )
 
 TPMode = Literal["scatter", "gather", "none"]
+_NO_KWARGS = FrozenDict({})
 
 
 def _is_box(x: Any) -> bool:
@@ -95,7 +96,7 @@ class ModelParallelismWrapper(nn.Module):
     """If set, parameters are zero except on this model-axis rank."""
     split_rngs: bool = True
     """Initialise each rank's shard from a different key (folded with the rank)."""
-    module_kwargs: FrozenDict = FrozenDict({})
+    module_kwargs: FrozenDict = _NO_KWARGS
     """Extra keyword arguments for ``module_fn``."""
 
     @nn.compact
@@ -116,7 +117,7 @@ class ModelParallelismWrapper(nn.Module):
         return module(*args, **kwargs)
 
 
-def _sharded_dense(layer, kernel_init, name, module_kwargs=FrozenDict({})):
+def _sharded_dense(layer, kernel_init, name, module_kwargs=_NO_KWARGS):
     return ModelParallelismWrapper(
         model_axis_name=layer.model_axis_name,
         module_fn=functools.partial(layer.dense_fn, kernel_init=scale_init(kernel_init, layer.kernel_init_adjustment)),
