@@ -36,7 +36,8 @@ def check_interleaving(num_microbatches: int, pipeline_parallel_size: int, virtu
     if virtual_size is None or virtual_size == 1:
         return num_microbatches
     if pipeline_parallel_size < 2:
-        raise ValueError(f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got {pipeline_parallel_size}")
+        raise ValueError(
+            f"the interleaved schedule needs pipeline_model_parallel_size >= 2, got {pipeline_parallel_size}")
     group = pipeline_parallel_size if group_size is None else group_size
     if not pipeline_parallel_size <= group <= num_microbatches:
         raise ValueError(
