@@ -69,11 +69,18 @@ def unstack_params(params: Any, axis_name: str) -> Any:
 
 
 def _unstack_wrapped_params(params: Any, axis_name: str) -> Any:
-    """The wrapper's own inverse of :func:`stack_params`: boxed params by their names, and params
-    passed unboxed (metadata stripped, e.g. by ``core.param_metadata.unbox``) by their leading
-    dimension, which the wrapper's ``stack_params`` always adds at position 0."""
+    """The wrapper's own inverse of :func:`stack_params`.
+
+    Boxed params are unstacked by their names. Params passed unboxed (metadata stripped, e.g.
+    by ``core.param_metadata.unbox``) lose the names, so their leading size-1 dimension, which
+    the wrapper's ``stack_params`` always adds at position 0, is removed; arrays without it
+    (the wrapped module's raw params while flax initialises it) pass unchanged. A raw param
+    with a leading size-1 dim would be squeezed and fail flax's shape check loudly, never
+    silently.
+    """
     params = unstack_params(params, axis_name)
-    return jax.tree.map(lambda x: x if _is_box(x) else jnp.squeeze(x, 0), params, is_leaf=_is_box)
+    squeeze = lambda x: jnp.squeeze(x, 0) if not _is_box(x) and jnp.ndim(x) and x.shape[0] == 1 else x
+    return jax.tree.map(squeeze, params, is_leaf=_is_box)
 
 
 def scale_init(init_fn: Callable, scale_factor: float = 1.0) -> Callable:
