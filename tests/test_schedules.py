@@ -1,0 +1,102 @@
+"""Megatron API: get_forward_backward_func, no-pipelining and 1F1B equal the non-pipelined model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from core import parallel_state as ps
+from core.pipeline_parallel import schedules
+
+H, MB = 4, 2
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def _forward_step(per_token):
+    def forward_step_func(data, model):
+        out = model(data["x"])
+
+        def loss_func(y):
+            err = (y - data["t"]) ** 2
+            if per_token:
+                return jnp.sum(err), jnp.asarray(err.size, jnp.float32), {"lm loss": jnp.mean(err)}
+            return jnp.mean(err), {"lm loss": jnp.mean(err)}
+        return out, loss_func
+    return forward_step_func
+
+
+def _reference(params, x, t, per_token):
+    def f(params):
+        def one(xm, tm):
+            for s in range(params["w"].shape[0]):
+                xm = _stage(jax.tree.map(lambda a: a[s], params), xm)
+            return jnp.sum((xm - tm) ** 2) if per_token else jnp.mean((xm - tm) ** 2)
+        losses = jax.vmap(one)(x, t)
+        return jnp.sum(losses) if per_token else jnp.mean(losses), losses
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+
+def _data(pp, m, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w": rng.normal(size=(pp, H, H)).astype(np.float32) / 2, "b": rng.normal(size=(pp, H)).astype(np.float32)}
+    x = rng.normal(size=(m, MB, H)).astype(np.float32)
+    t = rng.normal(size=(m, MB, H)).astype(np.float32)
+    return params, x, t
+
+
+def test_get_forward_backward_func_picks_by_state():
+    for pp, vpp, want in [(1, None, schedules.forward_backward_no_pipelining),
+                          (2, None, schedules.forward_backward_pipelining_without_interleaving),
+                          (2, 2, schedules.forward_backward_pipelining_with_interleaving)]:
+        state = ps.build_parallel_state(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                                        devices=jax.devices()[:pp])
+        assert schedules.get_forward_backward_func(state) is want
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_no_pipelining_equals_reference(per_token):
+    params, x, t = _data(1, 3)
+    p0 = jax.tree.map(lambda a: a[0], params)
+    it = iter([{"x": x[i], "t": t[i]} for i in range(3)])
+    losses, grads, ntok = schedules.forward_backward_no_pipelining(
+        forward_step_func=_forward_step(per_token), data_iterator=it, model=(_stage, p0), num_microbatches=3,
+        seq_length=MB, micro_batch_size=1)
+    (_, per_mb), want = _reference(params, x, t, per_token)
+    assert len(losses) == 3
+    if per_token:
+        np.testing.assert_allclose(ntok, x.size)
+    for k in ("w", "b"):
+        np.testing.assert_allclose(grads[k], want[k][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("mult", [1, 2])
+@pytest.mark.parametrize("per_token,forward_only", [(False, False), (True, False), (False, True)])
+def test_1f1b_megatron_api_equals_reference(pp, mult, per_token, forward_only):
+    m = pp * mult
+    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
+    params, x, t = _data(pp, m, seed=pp + mult)
+    fb = schedules.get_forward_backward_func(state)
+
+    def body(p, x, t):
+        p = jax.tree.map(lambda a: a[0], p)
+        it = iter([{"x": x[i], "t": t[i]} for i in range(m)])
+        losses, grads, ntok = fb(forward_step_func=_forward_step(per_token), data_iterator=it, model=(_stage, p),
+                                 num_microbatches=m, seq_length=MB, micro_batch_size=1, forward_only=forward_only)
+        lm = jax.lax.psum(jnp.stack([d["lm loss"] for d in losses]), "pp")  # only the last stage is non-zero
+        grads = jax.tree.map(lambda a: a[None], grads if grads is not None else p)
+        return lm, grads, jax.lax.psum(ntok if ntok is not None else 0.0, "pp")
+
+    lm, g, ntok = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P(), P()),
+                                        out_specs=(P(), P("pp"), P()), check_vma=False))(params, x, t)
+    (_, per_mb), want = _reference(params, x, t, per_token)
+    want_lm = per_mb / (MB * H) if per_token else per_mb
+    np.testing.assert_allclose(lm, want_lm, rtol=1e-5, atol=1e-6)
+    if per_token:
+        np.testing.assert_allclose(ntok, x.size)
+    for k in ("w", "b"):
+        np.testing.assert_allclose(g[k], params[k] if forward_only else want[k], rtol=1e-5, atol=1e-6)
