@@ -127,3 +127,19 @@ def param_info_tree(boxed: Any) -> Any:
 def unbox(boxed: Any) -> Any:
     """Strip the metadata boxes, without sharding constraints (safe inside ``shard_map``)."""
     return jax.tree.map(lambda x: x.value if _is_box(x) else x, boxed, is_leaf=_is_box)
+
+
+def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
+                        in_specs: Sequence[PartitionSpec]) -> tuple[Any, Any, Any]:
+    """Initialise parameters inside ``shard_map`` as global arrays sharded as their metadata says.
+
+    ``init_fn(*args)`` (e.g. ``module.init``) runs on local shards and creates local parameter
+    shapes. A first abstract pass reads the metadata; the real pass returns global arrays with
+    those partition specs. Returns ``(params, partition_spec_tree, param_info_tree)``.
+    """
+    shard = lambda fn, out: jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out, check_vma=False)
+    boxed = jax.eval_shape(shard(init_fn, PartitionSpec()), *args)
+    infos = param_info_tree(boxed)
+    specs = jax.tree.map(lambda i: i.partition_spec, infos)
+    params = jax.jit(shard(lambda *a: unbox(init_fn(*a)), specs))(*args)
+    return params, specs, infos

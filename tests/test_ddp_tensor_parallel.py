@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from tp_harness import dense_parallel_mlp
 
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
@@ -15,15 +16,6 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.tensor_parallel.layers import ParallelMLP
 
 S, B, H, F = 8, 8, 16, 32
-
-
-def dense_mlp(p, x):
-    p = p["params"]
-    mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    h = (x - mean) / jnp.sqrt(var + 1e-6) * p["layernorm"]["scale"] + p["layernorm"]["bias"]
-    h = jax.nn.gelu(h @ p["fc1"]["weight"].T + p["fc1"]["bias"])
-    return x + h @ p["fc2"]["weight"].T + p["fc2"]["bias"]
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -55,7 +47,7 @@ def test_tp2_dp4_training_equals_dense(sequence_parallel, use_distributed_optimi
     step = ddp.make_train_step(loss_fn, num_microbatches=2)
     tx = optax.adamw(0.01, weight_decay=0.1, mask=jax.tree.map(lambda a: a.ndim > 1, ref))
     ref_opt = tx.init(ref)
-    ref_loss = lambda p, x: jnp.mean(jnp.tanh(dense_mlp(p, jnp.swapaxes(x, 0, 1))) ** 2)
+    ref_loss = lambda p, x: jnp.mean(jnp.tanh(dense_parallel_mlp(p, jnp.swapaxes(x, 0, 1))) ** 2)
     for x in xs:
         params, opt_state, metrics = step(params, opt_state, jnp.asarray(x))
         g = jax.grad(ref_loss)(ref, x)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
-from core.param_metadata import unbox
+from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.gpipe import PipelineModule
 from core.tensor_parallel.tp_dense import ModelParallelismWrapper
 
@@ -37,12 +37,7 @@ def test_gpipe_equals_sequential_stages(pp, mult):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2 * m, H)).astype(np.float32)
     cot = rng.normal(size=(2 * m, H)).astype(np.float32)
-    init = lambda r, x: model.init(r, x)
-    boxed = jax.eval_shape(jax.shard_map(init, mesh=state.mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False),
-                           jax.random.key(0), x)
-    specs = nn.get_partition_spec(boxed)
-    params = jax.jit(jax.shard_map(lambda r, x: unbox(init(r, x)), mesh=state.mesh, in_specs=(P(), P()),
-                                   out_specs=specs, check_vma=False))(jax.random.key(0), x)
+    params, specs, _ = init_sharded_params(model.init, state.mesh, (jax.random.key(0), x), (P(), P()))
 
     def body(p, x, cot):
         y, vjp = jax.vjp(lambda p, x: model.apply(p, x), p, x)

@@ -1,15 +1,15 @@
 """Tensor-parallel layers at tp in {1, 2, 4, 8} equal the dense single-device layer."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from tp_harness import dense_parallel_mlp
 
 from core import parallel_state as ps
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
-from core.param_metadata import param_info_tree, unbox
+from core.param_metadata import init_sharded_params
 from core.tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
 
 S, B, H, F, V = 8, 2, 16, 32, 24
@@ -17,13 +17,7 @@ TPS = [1, 2, 4, 8]
 
 
 def _init(state, module, x, x_spec):
-    init = lambda r, x: module.init(r, x)
-    boxed = jax.eval_shape(jax.shard_map(init, mesh=state.mesh, in_specs=(P(), x_spec), out_specs=P(),
-                                         check_vma=False), jax.random.key(0), x)
-    specs = nn.get_partition_spec(boxed)
-    params = jax.jit(jax.shard_map(lambda r, x: unbox(init(r, x)), mesh=state.mesh, in_specs=(P(), x_spec),
-                                   out_specs=specs, check_vma=False))(jax.random.key(0), x)
-    return params, specs, param_info_tree(boxed)
+    return init_sharded_params(module.init, state.mesh, (jax.random.key(0), x), (P(), x_spec))
 
 
 def run_layer(tp, module, x, x_spec, cot, y_spec, output=lambda out: out[0]):
@@ -50,6 +44,19 @@ def _check(got, want):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-5), got, want)
 
 
+def _check_against(dense, params, x, cot, y, gp, gx):
+    """Output, param grads and input grad equal those of ``dense`` on the global params."""
+    want_y, vjp = jax.vjp(dense, params, x)
+    want_gp, want_gx = vjp(cot)
+    _check(y, want_y)
+    _check(gp, want_gp)
+    _check(gx, want_gx)
+
+
+def _linear(p, x):
+    return x @ p["params"]["weight"].T + p["params"]["bias"]
+
+
 def _data(*shape, seed=0):
     return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
 
@@ -67,12 +74,7 @@ def test_column_parallel_linear(tp, mode):
     # tp-invariant init: the same weights as at tp=1.
     ref_params = run_layer(1, module, jnp.asarray(x), P(), jnp.asarray(cot), y_spec if tp > 1 else y_spec, output)[0]
     _check(params, ref_params)
-    dense = lambda p, x: x @ p["params"]["weight"].T + p["params"]["bias"]
-    want_y, vjp = jax.vjp(dense, params, x)
-    want_gp, want_gx = vjp(cot)
-    _check(y, want_y)
-    _check(gp, want_gp)
-    _check(gx, want_gx)
+    _check_against(_linear, params, x, cot, y, gp, gx)
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -83,12 +85,7 @@ def test_row_parallel_linear(tp, mode):
     x_spec = P() if mode == "plain" else P(None, None, "tp")
     y_spec = P("tp") if mode == "sequence_parallel" else P()
     params, y, gp, gx = run_layer(tp, module, jnp.asarray(x), x_spec, jnp.asarray(cot), y_spec)
-    dense = lambda p, x: x @ p["params"]["weight"].T + p["params"]["bias"]
-    want_y, vjp = jax.vjp(dense, params, x)
-    want_gp, want_gx = vjp(cot)
-    _check(y, want_y)
-    _check(gp, want_gp)
-    _check(gx, want_gx)
+    _check_against(_linear, params, x, cot, y, gp, gx)
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -124,19 +121,7 @@ def test_parallel_mlp_block_equals_dense_block(tp, sequence_parallel):
     spec = P("tp") if sequence_parallel else P()
     params, y, gp, gx = run_layer(tp, module, jnp.asarray(x), spec, jnp.asarray(cot), spec, output=lambda out: out)
 
-    def dense(p, x):
-        p = p["params"]
-        mean = x.mean(-1, keepdims=True)
-        var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        h = (x - mean) / jnp.sqrt(var + 1e-6) * p["layernorm"]["scale"] + p["layernorm"]["bias"]
-        h = jax.nn.gelu(h @ p["fc1"]["weight"].T + p["fc1"]["bias"])
-        return x + h @ p["fc2"]["weight"].T + p["fc2"]["bias"]
-
-    want_y, vjp = jax.vjp(dense, params, x)
-    want_gp, want_gx = vjp(cot)
-    _check(y, want_y)
-    _check(gp, want_gp)
-    _check(gx, want_gx)
+    _check_against(dense_parallel_mlp, params, x, cot, y, gp, gx)
 
 
 def test_indivisible_sizes_raise():

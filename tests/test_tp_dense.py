@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from tp_harness import run_per_rank
 
 from core import parallel_state as ps
-from core.param_metadata import unbox
+from core.param_metadata import init_sharded_params
 from core.tensor_parallel.async_collectives import (
     async_gather,
     async_gather_bidirectional,
@@ -64,12 +64,7 @@ def test_ring_scatter_equals_psum_scatter(tp):
 
 
 def _init_apply(state, module, x, x_spec, y_spec):
-    init = lambda r, x: module.init(r, x)
-    boxed = jax.eval_shape(jax.shard_map(init, mesh=state.mesh, in_specs=(P(), x_spec), out_specs=P(),
-                                         check_vma=False), jax.random.key(0), x)
-    specs = nn.get_partition_spec(boxed)
-    params = jax.jit(jax.shard_map(lambda r, x: unbox(init(r, x)), mesh=state.mesh, in_specs=(P(), x_spec),
-                                   out_specs=specs, check_vma=False))(jax.random.key(0), x)
+    params, specs, _ = init_sharded_params(module.init, state.mesh, (jax.random.key(0), x), (P(), x_spec))
 
     def body(p, x, cot):
         y, vjp = jax.vjp(lambda p, x: module.apply(p, x), p, x)

@@ -36,3 +36,13 @@ def value_and_input_grad(fn, x, cotangent):
     """Forward output of fn(x) and the VJP with ``cotangent`` (inside shard_map)."""
     out, vjp = jax.vjp(fn, x)
     return out, vjp(cotangent)[0]
+
+
+def dense_parallel_mlp(params, x):
+    """Single-device equivalent of ``core.tensor_parallel.layers.ParallelMLP`` on global params."""
+    p = params["params"]
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    h = (x - mean) / jnp.sqrt(var + 1e-6) * p["layernorm"]["scale"] + p["layernorm"]["bias"]
+    h = jax.nn.gelu(h @ p["fc1"]["weight"].T + p["fc1"]["bias"])
+    return x + h @ p["fc2"]["weight"].T + p["fc2"]["bias"]

@@ -44,7 +44,7 @@ from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_t
 from core.optimizer.distrib_optimizer import BufferMasks, DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
-from core.param_metadata import param_info_tree, unbox
+from core.param_metadata import init_sharded_params
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -110,13 +110,9 @@ class DistributedDataParallel:
 
         Reads the parameters' parallel metadata, builds the buffers and the optimizer.
         """
-        init_fn = lambda r, *a: self.module.init(r, *a)
         in_specs = (P(),) * (1 + len(sample_inputs))
-        boxed = jax.eval_shape(self._shard_map(init_fn, in_specs, P()), rng, *sample_inputs)
-        info_tree = param_info_tree(boxed)
-        specs_tree = jax.tree.map(lambda i: i.partition_spec, info_tree)
-        params = jax.jit(self._shard_map(lambda r, *a: unbox(init_fn(r, *a)), in_specs, specs_tree))(
-            rng, *sample_inputs)
+        params, specs_tree, info_tree = init_sharded_params(self.module.init, self.mesh, (rng, *sample_inputs),
+                                                            in_specs)
         leaves, treedef = jax.tree.flatten(params)
         infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
