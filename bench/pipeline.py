@@ -1,0 +1,113 @@
+"""Pipeline schedules at pp=4: step time, bubble fraction and compiled peak temp memory.
+
+    python bench/pipeline.py        # one process, 4 simulated CPU devices
+
+Stages are ``hidden x hidden`` tanh layers on ``[tokens, hidden]`` microbatches. For GPipe (the
+autodiff of the xlstm_jax-style forward scan) and 1F1B (``core.pipeline_parallel.one_f_one_b``)
+at M in {4, 8, 16}: the median of ``--steps`` jitted forward+backward calls, the measured
+bubble ``1 - t_ideal / t_step`` with ``t_ideal`` = one device running all pp stages on all M
+microbatches divided by pp (a perfect pipeline), the bubble of the executed slot grid (GPipe
+``(p-1)/(m+p-1)``, this 1F1B ``(2p-2)/(m+2p-2)``), Megatron's theoretical ``(p-1)/m`` and
+``(p-1)/(v m)``, and ``memory_analysis().temp_size_in_bytes``. Simulated devices share the
+host's cores, so step times are only indicative. The interleaved executor is not implemented.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    """Parse flags, run the schedules, print the Markdown table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--ms", default="4,8,16")
+    p.add_argument("--steps", type=int, default=5)
+    args = p.parse_args()
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.pp}")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from core import parallel_state as ps
+    from core.pipeline_parallel.one_f_one_b import forward_backward_1f1b
+
+    pp, hid = args.pp, args.hidden
+    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
+
+    def stage(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"])
+
+    def loss_fn(y, t):
+        return jnp.mean((y - t) ** 2)
+
+    def gpipe(p, x, t):
+        def loss(p):
+            def step(carry, inp):
+                s = jax.lax.axis_index("pp")
+                h = stage(p, jnp.where(s == 0, inp, carry))
+                out = jnp.where(s == pp - 1, h, 0.0)
+                return jax.lax.ppermute(h, "pp", [(i, (i + 1) % pp) for i in range(pp)]), out
+            xs = jnp.concatenate([x, jnp.zeros((pp - 1,) + x.shape[1:])])
+            _, outs = jax.lax.scan(step, jnp.zeros_like(x[0]), xs)
+            return jnp.mean(jax.vmap(loss_fn)(outs[pp - 1:], t))
+        return jax.value_and_grad(loss)(p)
+
+    def one_f_one_b(p, x, t):
+        return forward_backward_1f1b(stage, loss_fn, p, x, t)
+
+    def build(fn):
+        def body(p, x, t):
+            loss, g = fn(jax.tree.map(lambda a: a[0], p), x, t)
+            return loss, jax.tree.map(lambda a: a[None], g)
+        return jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P(), P()),
+                                     out_specs=(P(), P("pp")), check_vma=False))
+
+    def timed(f, *a):
+        jax.block_until_ready(f(*a))
+        ts = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*a))
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    key = jax.random.key(0)
+    params = {"w": jax.random.normal(key, (pp, hid, hid)) / hid ** 0.5, "b": jnp.zeros((pp, hid))}
+    single = jax.devices()[0]
+
+    @jax.jit
+    def sequential(params, x, t):
+        def loss(params):
+            def one(xm, tm):
+                for s in range(pp):
+                    xm = stage(jax.tree.map(lambda a, s=s: a[s], params), xm)
+                return loss_fn(xm, tm)
+            return jnp.mean(jax.vmap(one)(x, t))
+        return jax.value_and_grad(loss)(params)
+
+    print(f"pp={pp}, tokens={args.tokens}, hidden={hid}, {args.steps} steps, {jax.devices()[0].platform}\n")
+    print("| schedule | M | step ms | ideal ms | measured bubble | slot-grid bubble | Megatron (p-1)/m | temp KiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in map(int, args.ms.split(",")):
+        x = jax.random.normal(key, (m, args.tokens, hid))
+        t = jax.random.normal(jax.random.key(1), (m, args.tokens, hid))
+        ps_, xs, ts_ = (jax.device_put(a, single) for a in (params, x, t))
+        ideal = timed(sequential, ps_, xs, ts_) / pp
+        for name, fn, grid in [("GPipe", gpipe, (pp - 1) / (m + pp - 1)),
+                               ("1F1B", one_f_one_b, (2 * pp - 2) / (m + 2 * pp - 2))]:
+            f = build(fn)
+            temp = f.lower(params, x, t).compile().memory_analysis().temp_size_in_bytes
+            step = timed(f, params, x, t)
+            print(f"| {name} | {m} | {step * 1e3:.1f} | {ideal * 1e3:.1f} | {1 - ideal / step:.2f} | {grid:.2f} "
+                  f"| {(pp - 1) / m:.2f} | {temp / 1024:.0f} |")
+        print(f"| interleaved (v=2) | {m} | not implemented | | | | {(pp - 1) / (2 * m):.2f} | |")
+
+
+if __name__ == "__main__":
+    main()
