@@ -29,13 +29,16 @@ def _run_ddp(state, ddp_config, opt_config, num_microbatches, steps=STEPS):
     return ddp, params, opt_state, losses
 
 
-@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True, "overlap"])
 @pytest.mark.parametrize("num_microbatches", [1, 4])
 @pytest.mark.parametrize("bucket_size", [None, 300])
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 def test_ddp_dp8_equals_single_device(use_distributed_optimizer, num_microbatches, bucket_size, optimizer):
     state = ps.build_parallel_state()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer, bucket_size=bucket_size)
+    overlap = use_distributed_optimizer == "overlap"  # per-bucket param gathers, unrolled last microbatch
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=bool(use_distributed_optimizer),
+                                               bucket_size=bucket_size, overlap_grad_reduce=overlap,
+                                               overlap_param_gather=overlap)
     # SGD without clipping is sensitive to the grad scale, Adam with active clipping to the norm.
     opt_config = OptimizerConfig(optimizer=optimizer, lr=0.01, weight_decay=0.1, clip_grad=0.5 if optimizer == "adam" else 0.0)
     ddp, params, _, losses = _run_ddp(state, ddp_config, opt_config, num_microbatches)

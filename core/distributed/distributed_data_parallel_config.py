@@ -15,8 +15,8 @@ class DistributedDataParallelConfig:
     """Issue each bucket's collective as soon as its grads exist (the last microbatch is unrolled so
     XLA can overlap bucket collectives with the rest of the backward pass)."""
     overlap_param_gather: bool = False
-    """Distributed optimizer: gather each bucket's updated params independently (per-bucket all-gathers
-    XLA may overlap with the next forward) instead of one gather per buffer."""
+    """Distributed optimizer: one all-gather of updated params per bucket (each can overlap with other
+    work) instead of one all-gather per buffer (fewer, larger collectives)."""
     use_distributed_optimizer: bool = False
     """Reduce-scatter grads and shard fp32 master params + optimizer state over data parallelism (ZeRO-1)."""
     bucket_size: int | None = None

@@ -136,6 +136,14 @@ class DistributedOptimizer:
                        for spec, s in zip(self.specs, shards, strict=True))
         return {"master": master, "inner": self._tx().init(shards)}
 
+    def _gather_buckets(self, shards: Buckets, spec: BufferSpec) -> Buckets:
+        """Full buckets from this rank's updated shards: one all-gather per bucket with
+        ``overlap_param_gather`` (each can overlap with compute on its own), else one per buffer."""
+        axes = reduction_axes(spec, self.state)
+        if self.ddp_config.overlap_param_gather or len(shards) == 1:
+            return tuple(all_gather(s, axes) for s in shards)
+        return _gather_all_buckets_at_once(shards, axes)
+
     def grad_norm(self, grad_shards: Sequence[Buckets], masks: dict[str, Any]) -> jax.Array:
         """Global L2 norm of the reduced gradients across every rank (see ``clip_grads``)."""
         sumsq = []
@@ -165,17 +173,20 @@ class DistributedOptimizer:
         new_shards = optax.apply_updates(current, updates)
         new_leaves: dict[int, jax.Array] = {}
         for spec, shards in zip(self.specs, new_shards, strict=True):
-            pdtype = jnp.dtype(spec.key.param_dtype)
-            full = []
-            for shard in shards:
-                if self.sharded:
-                    # Gather in the param dtype, as Megatron gathers param_data (bf16).
-                    full.append(all_gather(shard.astype(pdtype), reduction_axes(spec, self.state)))
-                else:
-                    full.append(shard.astype(pdtype))
+            # Gather in the param dtype, as Megatron gathers param_data (bf16).
+            shards = tuple(s.astype(jnp.dtype(spec.key.param_dtype)) for s in shards)
+            full = self._gather_buckets(shards, spec) if self.sharded else shards
             new_leaves.update(unflatten_from_buckets(full, spec))
         master = tuple(s if m else () for m, s in zip(opt_state["master"], new_shards, strict=True))
         return new_leaves, {"master": master, "inner": inner}, grad_norm
+
+
+def _gather_all_buckets_at_once(shards: Buckets, axes: tuple[str, ...]) -> Buckets:
+    """One all-gather for a whole buffer: concatenate the bucket shards, gather, re-split."""
+    sizes = [s.shape[0] for s in shards]
+    gathered = all_gather(jnp.concatenate(shards), axes).reshape(-1, sum(sizes))  # [dp, sum of shards]
+    offsets = np.cumsum([0, *sizes])
+    return tuple(gathered[:, a:b].reshape(-1) for a, b in zip(offsets[:-1], offsets[1:], strict=True))
 
 
 def optimizer_state_bytes(opt_state: Any) -> int:
