@@ -96,3 +96,83 @@ def forward_backward_1f1b(stage_fn: Callable[[Any, jax.Array], jax.Array],
     carry = (x0, x0, stash, grads, jnp.zeros((), jnp.float32))
     (_, _, _, grads, loss), _ = lax.scan(slot, carry, jnp.arange(num_slots))
     return loss, grads
+
+
+def forward_backward_interleaved(stage_fn: Callable[[Any, jax.Array], jax.Array],
+                                 loss_fn: Callable[[jax.Array, Any], jax.Array], params: Any, microbatches: jax.Array,
+                                 targets: Any, *, num_model_chunks: int, axis_name: str = "pp"
+                                 ) -> tuple[jax.Array, Any]:
+    """Interleaved model layout (chunk ``c`` of rank ``r`` is virtual stage ``c * pp + r``); call inside ``shard_map``.
+
+    ``params`` has a leading ``[num_model_chunks]`` dim (this rank's chunks). Runs the same slot
+    grid as :func:`forward_backward_1f1b` over ``V = pp * vpp`` virtual stages: every slot runs
+    each local chunk once forward and once backward (masked when idle); activations move with a
+    ring ``ppermute`` (rank ``pp-1`` chunk ``c`` -> rank 0 chunk ``c+1``, gradients the reverse).
+    Gradients equal the non-pipelined model, but this grid does NOT give Megatron's interleaved
+    bubble ``(p-1)/(v m)``: its bubble is ``(2V-2)/(m+2V-2)``. Megatron's table-ordered executor
+    (``schedule_table.get_schedule_table``) is not implemented.
+    """
+    num_stages = lax.axis_size(axis_name)
+    rank = lax.axis_index(axis_name)
+    vpp = num_model_chunks
+    if vpp > 1 and num_stages < 2:
+        raise ValueError(f"interleaving ({vpp} model chunks) needs pipeline_model_parallel_size >= 2, got {num_stages}")
+    m = microbatches.shape[0]
+    v_total = num_stages * vpp
+    stash_size = 2 * v_total - 1
+    num_slots = m + 2 * v_total - 2
+    chunks = jnp.arange(vpp)
+    vstage = chunks * num_stages + rank  # [vpp] virtual stage of each local chunk
+    is_last = vstage == v_total - 1
+    ring_f = [(i, (i + 1) % num_stages) for i in range(num_stages)]
+    ring_b = [(i, (i - 1) % num_stages) for i in range(num_stages)]
+    x0 = jnp.zeros((vpp,) + microbatches.shape[1:], microbatches.dtype)
+
+    def chunk_loss(p, x, target):
+        y = stage_fn(p, x)
+        return y, loss_fn(y, target) / m
+
+    def slot(carry, t):
+        recv_f, recv_b, stash, grads, loss = carry
+        mf = t - vstage
+        f_valid = (mf >= 0) & (mf < m)
+        mf_c = jnp.clip(mf, 0, m - 1)
+        x = jnp.where(_bcast(vstage == 0, x0), microbatches[mf_c], recv_f)
+        y = jax.vmap(stage_fn)(params, x)
+        idx = mf_c % stash_size
+        old = stash[chunks, idx]
+        stash = stash.at[chunks, idx].set(jnp.where(_bcast(f_valid, x), x, old))
+        mb = t - (2 * v_total - 2 - vstage)
+        b_valid = (mb >= 0) & (mb < m)
+        mb_c = jnp.clip(mb, 0, m - 1)
+        xb = stash[chunks, mb_c % stash_size]
+        target = jax.tree.map(lambda a: a[mb_c], targets)
+
+        def one_chunk(p, xb, target, g_in, last):
+            (_, loss_c), vjp = jax.vjp(lambda p, x: chunk_loss(p, x, target), p, xb)
+            gp, gx = vjp((jnp.where(last, jnp.zeros_like(g_in), g_in), jnp.where(last, 1.0, 0.0).astype(loss_c.dtype)))
+            return loss_c, gp, gx
+
+        ls, gp, gx = jax.vmap(one_chunk)(params, xb, target, recv_b, is_last)
+        scale = b_valid.astype(ls.dtype)
+        grads = jax.tree.map(lambda a, g: a + _bcast(scale, g) * g, grads, gp)
+        loss = loss + jnp.sum(jnp.where(b_valid & is_last, ls, 0.0))
+        gx = gx * _bcast(scale, gx)
+        # Forward ring: rank 0 receives rank pp-1's chunk c output as its chunk c+1 input.
+        got_f = lax.ppermute(y, axis_name, ring_f)
+        recv_f = jnp.where(rank == 0, jnp.roll(got_f, 1, axis=0), got_f)
+        # Backward ring: rank pp-1 receives rank 0's chunk c input grad as its chunk c-1 output grad.
+        got_b = lax.ppermute(gx, axis_name, ring_b)
+        recv_b = jnp.where(rank == num_stages - 1, jnp.roll(got_b, -1, axis=0), got_b)
+        return (recv_f, recv_b, stash, grads, loss), None
+
+    stash = jnp.zeros((vpp, stash_size) + x0.shape[1:], x0.dtype)
+    grads = jax.tree.map(jnp.zeros_like, params)
+    carry = (x0, x0, stash, grads, jnp.zeros((), jnp.float32))
+    (_, _, _, grads, loss), _ = lax.scan(slot, carry, jnp.arange(num_slots))
+    return loss, grads
+
+
+def _bcast(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """Reshape a ``[vpp]`` mask to broadcast against a ``[vpp, ...]`` array."""
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))

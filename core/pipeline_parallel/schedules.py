@@ -172,8 +172,16 @@ def _vjp_with_aux(run, params, d_b, received):
 
 
 def forward_backward_pipelining_with_interleaving(**kwargs):
-    """Interleaved 1F1B (vpp model chunks per stage): schedule tables exist, executor not done."""
-    raise NotImplementedError("interleaved executor not implemented yet; see schedule_table.get_schedule_table")
+    """Interleaved 1F1B with Megatron's contract: not implemented.
+
+    The functional executor ``one_f_one_b.forward_backward_interleaved(stage_fn, loss_fn, ...)``
+    runs the interleaved model layout (grads equal the non-pipelined model) and
+    ``schedule_table.get_schedule_table`` gives Megatron's order; this wrapper is not written.
+    """
+    raise NotImplementedError(
+        "forward_backward_pipelining_with_interleaving (Megatron contract) is not implemented; use "
+        "core.pipeline_parallel.one_f_one_b.forward_backward_interleaved(stage_fn, loss_fn, params, x, targets, "
+        "num_model_chunks=vpp)")
 
 
 def get_forward_backward_func(state: ps.ParallelState | None = None) -> Callable:
