@@ -98,7 +98,3 @@ def any_rank(flag: jax.Array, state: ParallelState) -> jax.Array:
     """True on every device when ``flag`` is true on any device of the mesh."""
     return lax.psum(jnp.asarray(flag, jnp.int32), tuple(state.mesh.axis_names)) > 0
 
-
-def tree_any(tree: Any) -> jax.Array:
-    """Whether any boolean leaf of ``tree`` is true."""
-    return jnp.any(jnp.stack([jnp.any(x) for x in jax.tree.leaves(tree)]))
