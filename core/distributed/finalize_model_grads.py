@@ -34,7 +34,6 @@ on the (small) affected parameters before flattening, the data-parallel one on b
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
