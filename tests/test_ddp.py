@@ -142,3 +142,14 @@ def test_per_token_loss_normalisation_matches_mean_loss():
     b = token_step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
     np.testing.assert_allclose(float(a[2]["loss"]), float(b[2]["loss"]), rtol=1e-6)
     jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-7), a[0], b[0])
+
+
+def test_indivisible_batch_is_a_clear_error():
+    state = ps.build_parallel_state()
+    module = MLP()
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), module)
+    x, y = make_batch(GLOBAL_BATCH)
+    params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
+    step = ddp.make_train_step(mse_loss(module), num_microbatches=3)
+    with pytest.raises(ValueError, match=r"global batch 32 is not divisible by data_parallel_size \(8\) x num_microbatches \(3\)"):
+        step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))

@@ -175,7 +175,14 @@ class DistributedDataParallel:
                              (meta["param_specs"], self.local_spec, metric_specs))
         jitted = jax.jit(fn, donate_argnums=(1,))
 
+        dp = self.state.data_parallel_size
+
         def train_step(params, opt_state, batch):
+            for leaf in jax.tree.leaves(batch):
+                if leaf.shape[0] % (dp * num_microbatches):
+                    raise ValueError(
+                        f"global batch {leaf.shape[0]} is not divisible by data_parallel_size ({dp}) x "
+                        f"num_microbatches ({num_microbatches})")
             return jitted(params, opt_state, batch, meta["masks"])
 
         return train_step
