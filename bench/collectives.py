@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi_launch import emit, launch  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 STALL_SEQUENCES = {
     "all-reduce 4 MiB alone": ["ar:1048576"],
@@ -89,16 +88,6 @@ def _input(state, numel: int):
     return jax.make_array_from_process_local_data(jax.NamedSharding(state.mesh, P(*names)), local)
 
 
-def _time(fn, x, reps: int) -> float:
-    fn(x).block_until_ready()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def worker_table(sizes: list[int], reps: int) -> None:
     """Measure every op at every size; rank 0 prints one JSON row per measurement."""
     import jax
@@ -111,7 +100,7 @@ def worker_table(sizes: list[int], reps: int) -> None:
         numel = size // 4
         if op == "ag":
             numel //= n  # all-gather input is the per-rank shard of the `size` output
-        seconds = _time(ops[op], _input(state, numel), reps)
+        seconds = median_seconds(ops[op], _input(state, numel), reps=reps)
         if jax.process_index() == 0:
             emit({"world": n, "op": op, "bytes": size, "seconds": seconds})
 
@@ -123,7 +112,7 @@ def worker_sequence(steps: list[str], reps: int) -> None:
     state, ops = _worker_ops()
     for step in steps:
         op, numel = step.split(":")
-        seconds = _time(ops[op], _input(state, int(numel)), reps)
+        seconds = median_seconds(ops[op], _input(state, int(numel)), reps=reps)
         if jax.process_index() == 0:
             emit({"world": state.world_size, "step": step, "seconds": seconds})
 

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi_launch import emit, launch  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 
 def build_model(layers: int, hidden: int, vocab: int):
@@ -154,25 +155,16 @@ def worker(args) -> None:
     together = jax.jit(jax.shard_map(reduce_all, mesh=state.mesh, in_specs=local_spec, out_specs=local_spec,
                                      check_vma=False))
 
-    def time_fn(fn, xs):
-        jax.block_until_ready(fn(*xs))
-        ts = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*xs))
-            ts.append(time.perf_counter() - start)
-        return statistics.median(ts)
-
     sharding = jax.NamedSharding(state.mesh, local_spec)
     arrays = [jax.device_put(x, sharding) for x in zeros(sizes)]
-    in_step = time_fn(together, arrays)
+    in_step = median_seconds(together, *arrays, reps=args.steps)
     alone = 0.0
     for i in range(len(sizes)):
         single = jax.jit(jax.shard_map(lambda x, i=i: reduce_gradient_buckets(
             [tuple(x[0] if j == i else jnp.zeros((sizes[j],)) for j in range(len(sizes)))], specs[:1],
             last.ddp_config, state)[0][i][None], mesh=state.mesh, in_specs=local_spec, out_specs=local_spec,
             check_vma=False))
-        alone += time_fn(single, [arrays[i]])
+        alone += median_seconds(single, arrays[i], reps=args.steps)
     if rank == 0:
         emit({"world": world, "buckets": sizes, "together_s": in_step, "sum_alone_s": alone})
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -73,13 +75,7 @@ def main() -> None:
                                      out_specs=(P(), P("pp")), check_vma=False))
 
     def timed(f, *a):
-        jax.block_until_ready(f(*a))
-        ts = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*a))
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return median_seconds(f, *a, reps=args.steps)
 
     key = jax.random.key(0)
     params = {"w": jax.random.normal(key, (pp, hid, hid)) / hid ** 0.5, "b": jnp.zeros((pp, hid))}

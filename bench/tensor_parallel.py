@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import median_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +43,7 @@ def main() -> None:
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from core.param_metadata import unbox
+    from core.param_metadata import init_sharded_params
     from core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPAsyncDense, TPDense
 
     h, f = args.hidden, 4 * args.hidden
@@ -66,22 +68,11 @@ def main() -> None:
 
     def step_time(state, module, x, x_spec):
         mesh = state.mesh
-        init = lambda r, x: module.init(r, x)
-        boxed = jax.eval_shape(jax.shard_map(init, mesh=mesh, in_specs=(P(), x_spec), out_specs=P(),
-                                             check_vma=False), jax.random.key(0), x)
-        specs = nn.get_partition_spec(boxed)
-        params = jax.jit(jax.shard_map(lambda r, x: unbox(init(r, x)), mesh=mesh, in_specs=(P(), x_spec),
-                                       out_specs=specs, check_vma=False))(jax.random.key(0), x)
+        params, specs, _ = init_sharded_params(module.init, mesh, (jax.random.key(0), x), (P(), x_spec))
         grad = jax.grad(lambda p, x: jnp.sum(module.apply(p, x) ** 2), argnums=(0, 1))
         fn = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=(specs, x_spec), out_specs=(specs, x_spec),
                                    check_vma=False))
-        jax.block_until_ready(fn(params, x))
-        times = []
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(params, x))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_seconds(fn, params, x, reps=args.steps)
 
     x = np.random.default_rng(0).normal(size=(args.tokens, h)).astype(np.float32)
     rows = []
