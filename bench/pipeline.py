@@ -39,6 +39,8 @@ def main() -> None:
 
     from core import parallel_state as ps
     from core.pipeline_parallel.one_f_one_b import forward_backward_1f1b, forward_backward_interleaved
+    from core.pipeline_parallel.table_driven import forward_backward_table_driven
+    from core.pipeline_parallel.timeline import build_timeline
 
     pp, hid = args.pp, args.hidden
     state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
@@ -66,6 +68,13 @@ def main() -> None:
 
     def interleaved(p, x, t):
         return forward_backward_interleaved(stage, loss_fn, p, x, t, num_model_chunks=2)
+
+    def megatron_1f1b(p, x, t):  # Megatron's exact order, table-driven (params get a chunk dim of 1)
+        loss, g = forward_backward_table_driven(stage, loss_fn, jax.tree.map(lambda a: a[None], p), x, t)
+        return loss, jax.tree.map(lambda a: a[0], g)
+
+    def megatron_interleaved(p, x, t):
+        return forward_backward_table_driven(stage, loss_fn, p, x, t, num_model_chunks=2)
 
     def build(fn):
         def body(p, x, t):
@@ -100,7 +109,9 @@ def main() -> None:
         ps_, xs, ts_ = (jax.device_put(a, single) for a in (params, x, t))
         ideal = timed(sequential, ps_, xs, ts_) / pp
         for name, fn, grid in [("GPipe", gpipe, (pp - 1) / (m + pp - 1)),
-                               ("1F1B", one_f_one_b, (2 * pp - 2) / (m + 2 * pp - 2))]:
+                               ("1F1B (slot grid)", one_f_one_b, (2 * pp - 2) / (m + 2 * pp - 2)),
+                               ("1F1B (Megatron order, table-driven)", megatron_1f1b,
+                                build_timeline(m, pp).bubble_fraction())]:
             f = build(fn)
             temp = f.lower(params, x, t).compile().memory_analysis().temp_size_in_bytes
             step = timed(f, params, x, t)
@@ -109,14 +120,14 @@ def main() -> None:
         # Interleaved: 2 chunks per rank, each half the width's work would need half-size stages; here each
         # chunk is a full stage (2x the model), so compare its grid bubble and memory, not its step time.
         ip = jax.tree.map(lambda a: jnp.stack([a, a], axis=1), params)
-        f = build(interleaved)
-        temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
-        step = timed(f, ip, x, t)
-        v = 2 * pp
-        print(f"| interleaved v=2 (2x layers) | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} "
-              f"| {1 - 2 * ideal / step:.2f} | {(2 * v - 2) / (m + 2 * v - 2):.2f} "
-              f"| {(pp - 1) / (2 * m):.2f} | {temp / 1024:.0f} |")
-
+        for name, fn, grid in [("interleaved v=2, slot grid", interleaved, (4 * pp - 2) / (m + 4 * pp - 2)),
+                               ("interleaved v=2, Megatron order", megatron_interleaved,
+                                build_timeline(m, pp, 2).bubble_fraction())]:
+            f = build(fn)
+            temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
+            step = timed(f, ip, x, t)
+            print(f"| {name} (2x layers) | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} "
+                  f"| {1 - 2 * ideal / step:.2f} | {grid:.2f} | {(pp - 1) / (2 * m):.2f} | {temp / 1024:.0f} |")
 
 if __name__ == "__main__":
     main()
