@@ -31,7 +31,7 @@ from core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from core.tensor_parallel.random import tensor_parallel_init
+from core.tensor_parallel.random import sequence_parallel_dropout, tensor_parallel_init
 from core.tensor_parallel.utils import divide
 
 Initializer = Callable[..., jax.Array]
@@ -179,8 +179,9 @@ class ParallelMLP(nn.Module):
     """Pre-norm MLP block: LayerNorm -> ColumnParallel(gelu) -> RowParallel, plus the residual.
 
     With ``sequence_parallel`` the input and output are ``[s/tp, b, h]`` sequence shards: the
-    norm runs on the shard (its params tagged ``sequence_parallel``), the column layer
-    all-gathers the sequence and the row layer reduce-scatters it.
+    norm and the output dropout run on the shard (norm params tagged ``sequence_parallel``,
+    dropout masks sliced from the full-sequence mask so they do not depend on the layout), the
+    column layer all-gathers the sequence and the row layer reduce-scatters it.
     """
 
     hidden_size: int
@@ -189,12 +190,16 @@ class ParallelMLP(nn.Module):
     """MLP width (split over tp)."""
     sequence_parallel: bool = False
     """Sequence parallelism (see class docstring)."""
+    hidden_dropout: float = 0.0
+    """Dropout rate on the block output before the residual add (needs a ``"dropout"`` rng)."""
+    deterministic: bool = True
+    """Disable dropout (evaluation)."""
     axis_name: str = TP_AXIS
     """Tensor-parallel mesh axis."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``x + MLP(LayerNorm(x))``."""
+        """``x + Dropout(MLP(LayerNorm(x)))``."""
         sp = self.sequence_parallel
         meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sp)
         h = nn.LayerNorm(scale_init=meta(nn.initializers.ones), bias_init=meta(nn.initializers.zeros),
@@ -203,4 +208,6 @@ class ParallelMLP(nn.Module):
                                     axis_name=self.axis_name, name="fc1")(h)
         h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, input_is_parallel=True, sequence_parallel=sp,
                                  axis_name=self.axis_name, name="fc2")(nn.gelu(h))
+        if self.hidden_dropout and not self.deterministic:
+            h = sequence_parallel_dropout(self.make_rng("dropout"), h, self.hidden_dropout, sp, self.axis_name)
         return x + h

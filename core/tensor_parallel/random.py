@@ -53,3 +53,24 @@ def tensor_parallel_init(init_fn: Callable, partition_dim: int, axis_name: str =
         return lax.dynamic_slice_in_dim(value, lax.axis_index(axis_name) * size, size, axis=partition_dim)
 
     return init
+
+
+def sequence_parallel_dropout(key: jax.Array, x: jax.Array, rate: float, sequence_parallel: bool,
+                              axis_name: str = TP_AXIS) -> jax.Array:
+    """Dropout on ``[s, b, h]`` activations that is the same whatever the tp layout.
+
+    The keep-mask is drawn for the *full* sequence from ``key`` (identical on every tp rank, the
+    data-parallel stream); under sequence parallelism each rank keeps its own sequence slice, so
+    every token gets the mask it would get at tp=1. (Megatron forks the model-parallel RNG here,
+    which makes masks, and results, depend on the layout.)
+    """
+    if rate == 0.0:
+        return x
+    if not 0.0 < rate < 1.0:
+        raise ValueError(f"dropout rate must be in [0, 1), got {rate}")
+    n = lax.axis_size(axis_name) if sequence_parallel else 1
+    full = (x.shape[0] * n,) + x.shape[1:]
+    keep = jax.random.bernoulli(data_parallel_rng(key), 1.0 - rate, full)
+    if sequence_parallel:
+        keep = lax.dynamic_slice_in_dim(keep, lax.axis_index(axis_name) * x.shape[0], x.shape[0], axis=0)
+    return jax.numpy.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
