@@ -21,7 +21,12 @@ from core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from core.tensor_parallel.random import data_parallel_rng, model_parallel_rng, tensor_parallel_init
+from core.tensor_parallel.random import (
+    data_parallel_rng,
+    model_parallel_rng,
+    sequence_parallel_dropout,
+    tensor_parallel_init,
+)
 from core.tensor_parallel.tp_dense import ModelParallelismWrapper, TPAsyncDense, TPDense, scale_init
 from core.tensor_parallel.utils import VocabUtility, divide, split_tensor_along_last_dim
 
@@ -32,6 +37,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region", "data_parallel_rng", "divide", "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region", "model_parallel_rng", "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_last_dim_to_tensor_parallel_region", "reduce_scatter_to_sequence_parallel_region", "scale_init",
-    "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region", "split_tensor_along_last_dim",
+    "scatter_to_sequence_parallel_region", "scatter_to_tensor_model_parallel_region", "sequence_parallel_dropout",
+    "split_tensor_along_last_dim",
     "tensor_parallel_init", "vocab_parallel_cross_entropy",
 ]
