@@ -100,3 +100,51 @@ def test_1f1b_megatron_api_equals_reference(pp, mult, per_token, forward_only):
         np.testing.assert_allclose(ntok, x.size)
     for k in ("w", "b"):
         np.testing.assert_allclose(g[k], params[k] if forward_only else want[k], rtol=1e-5, atol=1e-6)
+
+
+def _reference_interleaved(params, x, t, per_token, pp, vpp):
+    """Virtual stage vs = c * pp + r uses chunk c of rank r."""
+    def f(params):
+        def one(xm, tm):
+            for vs in range(pp * vpp):
+                xm = _stage(jax.tree.map(lambda a: a[vs % pp, vs // pp], params), xm)
+            return jnp.sum((xm - tm) ** 2) if per_token else jnp.mean((xm - tm) ** 2)
+        losses = jax.vmap(one)(x, t)
+        return jnp.sum(losses) if per_token else jnp.mean(losses), losses
+    return jax.value_and_grad(f, has_aux=True)(params)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("mult", [1, 2])
+@pytest.mark.parametrize("per_token,forward_only", [(False, False), (True, False), (False, True)])
+def test_interleaved_megatron_api_equals_reference(pp, mult, per_token, forward_only):
+    m, vpp = pp * mult, 2
+    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                                    devices=jax.devices()[:pp])
+    rng = np.random.default_rng(pp + mult)
+    params = {"w": rng.normal(size=(pp, vpp, H, H)).astype(np.float32) / 2,
+              "b": rng.normal(size=(pp, vpp, H)).astype(np.float32)}
+    x = rng.normal(size=(m, MB, H)).astype(np.float32)
+    t = rng.normal(size=(m, MB, H)).astype(np.float32)
+    fb = schedules.get_forward_backward_func(state)
+    assert fb is schedules.forward_backward_pipelining_with_interleaving
+
+    def body(p, x, t):
+        chunks = [(_stage, jax.tree.map(lambda a, c=c: a[0, c], p)) for c in range(vpp)]  # Megatron's list
+        it = iter([{"x": x[i], "t": t[i]} for i in range(m)])
+        losses, grads, ntok = fb(forward_step_func=_forward_step(per_token), data_iterator=[it], model=chunks,
+                                 num_microbatches=m, seq_length=MB, micro_batch_size=1, forward_only=forward_only)
+        lm = jax.lax.psum(jnp.stack([d["lm loss"] for d in losses]), "pp")
+        grads = jnp.zeros(()) if grads is None else jax.tree.map(lambda *a: jnp.stack(a)[None], *grads)
+        return lm, grads, jax.lax.psum(ntok if ntok is not None else 0.0, "pp")
+
+    gspec = P() if forward_only else P("pp")
+    lm, g, ntok = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P(), P()),
+                                        out_specs=(P(), gspec, P()), check_vma=False))(params, x, t)
+    (_, per_mb), want = _reference_interleaved(params, x, t, per_token, pp, vpp)
+    np.testing.assert_allclose(lm, per_mb / (MB * H) if per_token else per_mb, rtol=1e-5, atol=1e-6)
+    if per_token:
+        np.testing.assert_allclose(ntok, x.size)
+    if not forward_only:
+        for k in ("w", "b"):
+            np.testing.assert_allclose(g[k], want[k], rtol=1e-5, atol=1e-6)

@@ -12,11 +12,16 @@ table entry to know which (microbatch, chunk) arrived and store it in ring buffe
 The slot table reproduces Megatron's bubble: ``(p-1)/(m+p-1)`` of the rank-slots idle for
 1F1B and ``(p-1)/(v m + p - 1)`` with ``v`` chunks per rank (``Timeline.bubble_fraction``).
 
-Contract: ``stage_fn(chunk_params, x) -> y`` with ``y.shape == x.shape``; ``loss_fn(y, target)``
-on the last virtual stage; ``params`` carries a leading ``[num_model_chunks]`` dimension (this
-rank's chunks; chunk ``c`` of rank ``r`` is virtual stage ``c * pp + r``). Each microbatch loss
-is divided by ``M`` (the schedule's share of the loss normalisation, see
-``core.distributed.finalize_model_grads``).
+Two entry points share the executor:
+
+* :func:`execute_schedule` — Megatron's contract (used by ``schedules.py``):
+  ``forward_step_func(microbatch, model) -> (output, loss_func)``, ``loss_func(output)`` returns
+  ``(loss, dict)`` (divided by ``num_microbatches`` here) or ``(loss_sum, num_tokens, dict)``
+  (not divided: ``finalize_model_grads`` divides by the global token count);
+* :func:`forward_backward_table_driven` — a plain ``stage_fn`` / ``loss_fn`` form.
+
+``params`` carries a leading ``[num_model_chunks]`` dimension (this rank's chunks; chunk ``c``
+of rank ``r`` is virtual stage ``c * pp + r``); stages keep the activation shape.
 """
 
 from __future__ import annotations
@@ -31,6 +36,127 @@ from jax import lax
 from core.pipeline_parallel.timeline import build_timeline
 
 
+def split_loss(result: tuple, num_microbatches: int) -> tuple[jax.Array, jax.Array | None, dict]:
+    """``loss_func``'s result as (scaled loss, num_tokens or None, reduced dict); see module doc."""
+    if len(result) == 3:
+        loss, num_tokens, reduced = result
+        return loss, jnp.asarray(num_tokens, jnp.float32), reduced
+    if len(result) == 2:
+        loss, reduced = result
+        return loss / num_microbatches, None, reduced
+    raise ValueError(f"loss_func must return (loss, dict) or (loss, num_tokens, dict), got {len(result)} items")
+
+
+def execute_schedule(
+    forward_step_func: Callable,
+    data: Any,
+    stage_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    *,
+    num_model_chunks: int = 1,
+    forward_only: bool = False,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    axis_name: str = "pp",
+) -> tuple[list[dict], Any, jax.Array | None]:
+    """Megatron's (interleaved) 1F1B on stacked microbatch ``data`` (leading dim M); inside ``shard_map``.
+
+    Returns ``(losses_reduced, grads, num_tokens)``: one reduced-loss dict per microbatch (valid
+    on the rank holding the last virtual stage, zeros elsewhere), this rank's ``[vpp, ...]``
+    grads (None when ``forward_only``) and the summed token count (None without per-token loss).
+    """
+    pp, vpp = lax.axis_size(axis_name), num_model_chunks
+    m = jax.tree.leaves(data)[0].shape[0]
+    timeline = build_timeline(m, pp, vpp, microbatch_group_size_per_vp_stage, forward_only)
+    k = timeline.buffer_size
+    rank = lax.axis_index(axis_name)
+    last_vs = pp * vpp - 1
+    fwd_table, bwd_table = jnp.asarray(timeline.forward), jnp.asarray(timeline.backward)
+    take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+
+    per_token = {}  # set while tracing: does loss_func return (loss_sum, num_tokens, dict)?
+
+    def run(p, d, received, first):
+        # Megatron's set_input_tensor: virtual stage 0 reads the data, the others the received activation.
+        out, loss_func = forward_step_func(d, lambda x: stage_fn(p, jnp.where(first, x, received)))
+        loss, nt, reduced = split_loss(loss_func(out), m)
+        per_token["yes"] = nt is not None
+        return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced)
+
+    d0 = take(data, 0)
+    out_shape, (_, _, rd_shape) = jax.eval_shape(lambda: run(take(params, 0), d0, jnp.zeros(()), True))
+    act_zero = jnp.zeros(out_shape.shape, out_shape.dtype)
+    zeros_rd = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rd_shape)
+    no_loss = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros_rd)
+
+    def unpack(code):
+        mb, c = jnp.divmod(jnp.maximum(code, 0), vpp)
+        return mb, c, c * pp + rank
+
+    def forward(args):
+        acts, code = args
+        mb, c, vs = unpack(code)
+        y, (loss, nt, rd) = run(take(params, c), take(data, mb), acts[c, mb % k], vs == 0)
+        return y, (loss.astype(jnp.float32), nt, rd)
+
+    def backward(args):
+        acts, grads, code = args
+        mb, c, vs = unpack(code)
+        is_last = vs == last_vs
+
+        def f(p, r):
+            out, (loss, nt, rd) = run(p, take(data, mb), r, vs == 0)
+            return (out, loss), (nt, rd)
+
+        (_, loss), vjp, (nt, rd) = jax.vjp(f, take(params, c), acts[c, mb % k], has_aux=True)
+        cot_out = jnp.where(is_last, jnp.zeros_like(act_zero), grads[c, mb % k])
+        gp, gx = vjp((cot_out, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
+        return (loss.astype(jnp.float32), nt, rd), gp, gx
+
+    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), params)
+
+    def record(rds, ntok, code, result):
+        mb, _, vs = unpack(code)
+        hit = (code >= 0) & (vs == last_vs)
+        _, nt, rd = result
+        rds = jax.tree.map(lambda acc, v: jnp.where(hit, acc.at[mb].set(v), acc), rds, rd)
+        return rds, ntok + jnp.where(hit, nt, 0.0)
+
+    def slot(carry, t):
+        acts, grads, param_grads, rds, ntok = carry
+        f_code, b_code = fwd_table[t, rank], bwd_table[t, rank]
+        y, f_res = lax.cond(f_code >= 0, forward, lambda _: (act_zero, no_loss), (acts, f_code))
+        if forward_only:
+            rds, ntok = record(rds, ntok, f_code, f_res)
+            gx = act_zero
+        else:
+            b_res, gp, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, act_zero),
+                                     (acts, grads, b_code))
+            _, b_c, _ = unpack(b_code)
+            param_grads = jax.tree.map(lambda acc, g: acc.at[b_c].add(g), param_grads, gp)
+            rds, ntok = record(rds, ntok, b_code, b_res)
+        # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).
+        recv_y = lax.ppermute(y, axis_name, [(i, (i + 1) % pp) for i in range(pp)])
+        prev, nxt = (rank - 1) % pp, (rank + 1) % pp
+        sf_mb, sf_c = jnp.divmod(jnp.maximum(fwd_table[t, prev], 0), vpp)
+        ok_f = (fwd_table[t, prev] >= 0) & (sf_c * pp + prev < last_vs)
+        dest_f = jnp.clip(sf_c + (prev == pp - 1), 0, vpp - 1)  # rank pp-1's chunk c feeds rank 0's chunk c+1
+        acts = jnp.where(ok_f, acts.at[dest_f, sf_mb % k].set(recv_y), acts)
+        if not forward_only:
+            recv_g = lax.ppermute(gx, axis_name, [(i, (i - 1) % pp) for i in range(pp)])
+            sb_mb, sb_c = jnp.divmod(jnp.maximum(bwd_table[t, nxt], 0), vpp)
+            ok_b = (bwd_table[t, nxt] >= 0) & (sb_c * pp + nxt > 0)
+            dest_b = jnp.clip(sb_c - (nxt == 0), 0, vpp - 1)  # rank 0's chunk c sends to rank pp-1's chunk c-1
+            grads = jnp.where(ok_b, grads.at[dest_b, sb_mb % k].set(recv_g), grads)
+        return (acts, grads, param_grads, rds, ntok), None
+
+    buffers = jnp.zeros((vpp, k) + act_zero.shape, act_zero.dtype)
+    rds0 = jax.tree.map(lambda z: jnp.zeros((m,) + z.shape, z.dtype), zeros_rd)
+    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, params), rds0, jnp.zeros((), jnp.float32))
+    (_, _, param_grads, rds, ntok), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
+    losses = [take(rds, i) for i in range(m)]
+    return losses, (None if forward_only else param_grads), (ntok if per_token["yes"] else None)
+
+
 def forward_backward_table_driven(
     stage_fn: Callable[[Any, jax.Array], jax.Array],
     loss_fn: Callable[[jax.Array, Any], jax.Array],
@@ -42,70 +168,17 @@ def forward_backward_table_driven(
     microbatch_group_size_per_vp_stage: int | None = None,
     axis_name: str = "pp",
 ) -> tuple[jax.Array, Any]:
-    """Run Megatron's (interleaved) 1F1B order; call inside ``shard_map``.
+    """``stage_fn(chunk_params, x)`` / ``loss_fn(y, target)`` form of :func:`execute_schedule`.
 
     Returns ``(loss, grads)``: the mean microbatch loss (on the rank holding the last virtual
     stage, 0 elsewhere) and the grads of this rank's ``[num_model_chunks, ...]`` params.
     """
-    pp, vpp = lax.axis_size(axis_name), num_model_chunks
-    m = microbatches.shape[0]
-    timeline = build_timeline(m, pp, vpp, microbatch_group_size_per_vp_stage)
-    k = timeline.buffer_size
-    rank = lax.axis_index(axis_name)
-    last_vs = pp * vpp - 1
-    fwd_table, bwd_table = jnp.asarray(timeline.forward), jnp.asarray(timeline.backward)
-    act_zero = jnp.zeros_like(microbatches[0])
-    chunk_params = lambda c: jax.tree.map(lambda a: a[c], params)
 
-    def stage_input(acts, mb, c):
-        first = (c == 0) & (rank == 0)
-        return jnp.where(first, microbatches[mb], acts[c, mb % k])
+    def forward_step_func(d, model):
+        out = model(d["x"])
+        return out, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
 
-    def forward(args):
-        acts, mb, c = args
-        return stage_fn(chunk_params(c), stage_input(acts, mb, c))
-
-    def backward(args):
-        acts, grads, mb, c = args
-        x = stage_input(acts, mb, c)
-        target = jax.tree.map(lambda a: a[mb], targets)
-
-        def on_last(_):
-            loss, vjp = jax.vjp(lambda p, x: loss_fn(stage_fn(p, x), target) / m, chunk_params(c), x)
-            return (loss, *vjp(jnp.ones((), loss.dtype)))
-
-        def on_other(_):
-            _, vjp = jax.vjp(stage_fn, chunk_params(c), x)
-            return (jnp.zeros((), jnp.float32), *vjp(grads[c, mb % k]))
-
-        return lax.cond(c * pp + rank == last_vs, on_last, on_other, None)
-
-    def idle_backward(_):
-        return jnp.zeros((), jnp.float32), jax.tree.map(lambda a: jnp.zeros_like(a[0]), params), act_zero
-
-    def slot(carry, t):
-        acts, grads, param_grads, loss_sum = carry
-        f_mb, f_c = jnp.divmod(jnp.maximum(fwd_table[t, rank], 0), vpp)
-        b_mb, b_c = jnp.divmod(jnp.maximum(bwd_table[t, rank], 0), vpp)
-        y = lax.cond(fwd_table[t, rank] >= 0, forward, lambda _: act_zero, (acts, f_mb, f_c))
-        loss, gp, gx = lax.cond(bwd_table[t, rank] >= 0, backward, idle_backward, (acts, grads, b_mb, b_c))
-        param_grads = jax.tree.map(lambda acc, g: acc.at[b_c].add(g), param_grads, gp)
-        # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).
-        recv_y = lax.ppermute(y, axis_name, [(i, (i + 1) % pp) for i in range(pp)])
-        recv_g = lax.ppermute(gx, axis_name, [(i, (i - 1) % pp) for i in range(pp)])
-        prev, nxt = (rank - 1) % pp, (rank + 1) % pp
-        s_f, s_b = fwd_table[t, prev], bwd_table[t, nxt]
-        sf_mb, sf_c = jnp.divmod(jnp.maximum(s_f, 0), vpp)
-        sb_mb, sb_c = jnp.divmod(jnp.maximum(s_b, 0), vpp)
-        dest_f = sf_c + (prev == pp - 1)  # rank pp-1's chunk c feeds rank 0's chunk c+1
-        dest_b = sb_c - (nxt == 0)  # rank 0's chunk c sends grads to rank pp-1's chunk c-1
-        ok_f = (s_f >= 0) & (sf_c * pp + prev < last_vs)
-        ok_b = (s_b >= 0) & (sb_c * pp + nxt > 0)
-        acts = jnp.where(ok_f, acts.at[jnp.clip(dest_f, 0, vpp - 1), sf_mb % k].set(recv_y), acts)
-        grads = jnp.where(ok_b, grads.at[jnp.clip(dest_b, 0, vpp - 1), sb_mb % k].set(recv_g), grads)
-        return (acts, grads, param_grads, loss_sum + loss), None
-
-    buffers = jnp.zeros((vpp, k) + act_zero.shape, act_zero.dtype)
-    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    (_, _, param_grads, loss), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
-    return loss, param_grads
+    losses, grads, _ = execute_schedule(
+        forward_step_func, {"x": microbatches, "t": targets}, stage_fn, params, num_model_chunks=num_model_chunks,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, axis_name=axis_name)
+    return jnp.mean(jnp.stack([d["loss"] for d in losses])), grads

@@ -55,11 +55,11 @@ class Timeline:
 
 
 def build_timeline(num_microbatches: int, pipeline_parallel_size: int, num_model_chunks: int = 1,
-                   group_size: int | None = None) -> Timeline:
+                   group_size: int | None = None, forward_only: bool = False) -> Timeline:
     """Place every rank's Megatron order into global slots (see module docstring)."""
     pp, vpp = pipeline_parallel_size, num_model_chunks
-    orders = [get_pipeline_parallel_order(num_microbatches, pp, r, vpp if vpp > 1 else None, group_size)
-              for r in range(pp)]
+    orders = [get_pipeline_parallel_order(num_microbatches, pp, r, vpp if vpp > 1 else None, group_size,
+                                          forward_only=forward_only) for r in range(pp)]
     last_vs = pp * vpp - 1
     pos = [0] * pp
     f_done: dict[tuple[int, int], int] = {}  # (virtual stage, mb) -> slot
@@ -100,7 +100,7 @@ def _buffer_size(f_done, b_done, num_microbatches: int, num_virtual: int) -> int
     for vs in range(num_virtual):
         for mb in range(num_microbatches):
             start = f_done[(vs - 1, mb)] + 1 if vs > 0 else f_done[(vs, mb)]
-            live[(vs, mb)] = (start, b_done[(vs, mb)])
+            live[(vs, mb)] = (start, b_done.get((vs, mb), f_done[(vs, mb)]))
     for size in range(1, num_microbatches + 1):
         clash = any(
             live[(vs, a)][0] <= live[(vs, b)][1] and live[(vs, b)][0] <= live[(vs, a)][1]
