@@ -72,3 +72,25 @@ def test_slot_table_has_megatrons_bubble(pp, vpp, m):
 def test_ring_buffer_does_not_grow_with_microbatches():
     sizes = {m: build_timeline(m, 4, 1).buffer_size for m in (4, 8, 16, 32)}
     assert len(set(sizes.values())) == 1, sizes
+
+
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_compiled_temp_memory_does_not_grow_with_microbatches(vpp):
+    pp, hid = 4, 64
+    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
+    params = {"w": jnp.zeros((pp, vpp, hid, hid)), "b": jnp.zeros((pp, vpp, hid))}
+
+    def temp_bytes(m):
+        x = jnp.zeros((m, 16, hid))
+
+        def body(p, x):
+            loss, g = forward_backward_table_driven(_stage, _loss, jax.tree.map(lambda a: a[0], p), x, x,
+                                                    num_model_chunks=vpp)
+            return loss, jax.tree.map(lambda a: a[None], g)
+
+        fn = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P()), out_specs=(P(), P("pp")),
+                                   check_vma=False))
+        return fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(2 * pp), temp_bytes(8 * pp)
+    assert large <= 1.1 * small, (small, large)
