@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
 from core.pipeline_parallel.one_f_one_b import forward_backward_1f1b
+from core.pipeline_parallel.table_driven import forward_backward_table_driven
 from core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
 H, F, MB = 4, 8, 2
@@ -29,8 +30,12 @@ def _loss(y, t):
     return jnp.mean((y - t) ** 2)
 
 
-def run_and_compare(pp: int, tp: int, m: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, dict, dict]:
-    """Returns (loss, reference loss, grads, reference grads) as host numpy, on every process."""
+def run_and_compare(pp: int, tp: int, m: int, seed: int = 0,
+                    executor: str = "slot_grid") -> tuple[np.ndarray, np.ndarray, dict, dict]:
+    """Returns (loss, reference loss, grads, reference grads) as host numpy, on every process.
+
+    ``executor``: ``"slot_grid"`` (one_f_one_b) or ``"table_driven"`` (Megatron's exact order).
+    """
     state = ps.build_parallel_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dp = len(jax.devices()) // (pp * tp)
     rng = np.random.default_rng(seed)
@@ -46,7 +51,11 @@ def run_and_compare(pp: int, tp: int, m: int, seed: int = 0) -> tuple[np.ndarray
 
     def body(p, x, t):
         p = jax.tree.map(lambda a: a[0], p)
-        loss, g = forward_backward_1f1b(_tp_stage, _loss, p, x, t, axis_name="pp")
+        if executor == "table_driven":
+            loss, g = forward_backward_table_driven(_tp_stage, _loss, jax.tree.map(lambda a: a[None], p), x, t)
+            g = jax.tree.map(lambda a: a[0], g)
+        else:
+            loss, g = forward_backward_1f1b(_tp_stage, _loss, p, x, t, axis_name="pp")
         g = jax.tree.map(lambda a: jax.lax.pmean(a, ("dp", "ep"))[None], g)
         return jax.lax.pmean(jax.lax.psum(loss, "pp"), ("dp", "ep")), g
 

@@ -5,9 +5,10 @@ import pytest
 from pipeline_tp_harness import run_and_compare
 
 
+@pytest.mark.parametrize("executor", ["slot_grid", "table_driven"])
 @pytest.mark.parametrize("pp,tp,mult", [(2, 2, 1), (2, 2, 4), (4, 2, 2), (4, 1, 4), (2, 1, 2)])
-def test_1f1b_tp_dp_equals_reference(pp, tp, mult):
-    loss, want_loss, g, want_g = run_and_compare(pp, tp, pp * mult, seed=pp * 10 + tp + mult)
+def test_1f1b_tp_dp_equals_reference(pp, tp, mult, executor):
+    loss, want_loss, g, want_g = run_and_compare(pp, tp, pp * mult, seed=pp * 10 + tp + mult, executor=executor)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     for k in g:
         np.testing.assert_allclose(g[k], want_g[k], rtol=1e-5, atol=1e-6)
