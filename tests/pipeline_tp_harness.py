@@ -30,32 +30,33 @@ def _loss(y, t):
     return jnp.mean((y - t) ** 2)
 
 
-def run_and_compare(pp: int, tp: int, m: int, seed: int = 0,
-                    executor: str = "slot_grid") -> tuple[np.ndarray, np.ndarray, dict, dict]:
+def run_and_compare(pp: int, tp: int, m: int, seed: int = 0, executor: str = "slot_grid",
+                    vpp: int = 1) -> tuple[np.ndarray, np.ndarray, dict, dict]:
     """Returns (loss, reference loss, grads, reference grads) as host numpy, on every process.
 
-    ``executor``: ``"slot_grid"`` (one_f_one_b) or ``"table_driven"`` (Megatron's exact order).
+    ``executor``: ``"slot_grid"`` (one_f_one_b) or ``"table_driven"`` (Megatron's exact order, with
+    ``vpp`` model chunks per rank: chunk c of rank r is virtual stage c * pp + r).
     """
     state = ps.build_parallel_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dp = len(jax.devices()) // (pp * tp)
     rng = np.random.default_rng(seed)
-    params = {"w1": rng.normal(size=(pp, H, F)).astype(np.float32) / 2,
-              "w2": rng.normal(size=(pp, F, H)).astype(np.float32) / 2}
+    params = {"w1": rng.normal(size=(pp, vpp, H, F)).astype(np.float32) / 2,
+              "w2": rng.normal(size=(pp, vpp, F, H)).astype(np.float32) / 2}
     x = rng.normal(size=(m, dp * MB, H)).astype(np.float32)
     t = rng.normal(size=(m, dp * MB, H)).astype(np.float32)
-    pspecs = {"w1": P("pp", None, "tp"), "w2": P("pp", "tp", None)}
+    pspecs = {"w1": P("pp", None, None, "tp"), "w2": P("pp", None, "tp", None)}
     dspec = P(None, ("dp", "ep"))
 
     def put(a, spec):
         return jax.make_array_from_callback(a.shape, NamedSharding(state.mesh, spec), lambda idx: a[idx])
 
     def body(p, x, t):
-        p = jax.tree.map(lambda a: a[0], p)
+        p = jax.tree.map(lambda a: a[0], p)  # this rank's [vpp, ...] chunks
         if executor == "table_driven":
-            loss, g = forward_backward_table_driven(_tp_stage, _loss, jax.tree.map(lambda a: a[None], p), x, t)
-            g = jax.tree.map(lambda a: a[0], g)
+            loss, g = forward_backward_table_driven(_tp_stage, _loss, p, x, t, num_model_chunks=vpp)
         else:
-            loss, g = forward_backward_1f1b(_tp_stage, _loss, p, x, t, axis_name="pp")
+            loss, g = forward_backward_1f1b(_tp_stage, _loss, jax.tree.map(lambda a: a[0], p), x, t, axis_name="pp")
+            g = jax.tree.map(lambda a: a[None], g)
         g = jax.tree.map(lambda a: jax.lax.pmean(a, ("dp", "ep"))[None], g)
         return jax.lax.pmean(jax.lax.psum(loss, "pp"), ("dp", "ep")), g
 
@@ -67,8 +68,8 @@ def run_and_compare(pp: int, tp: int, m: int, seed: int = 0,
 
     def reference(params):
         def one(xm, tm):
-            for s in range(pp):
-                xm = _dense_stage(jax.tree.map(lambda a: a[s], params), xm)
+            for vs in range(pp * vpp):
+                xm = _dense_stage(jax.tree.map(lambda a, vs=vs: a[vs % pp, vs // pp], params), xm)
             return _loss(xm, tm)
         # Each dp rank's slice is its own microbatch loss; the global objective is their mean.
         xs = x.reshape(m, dp, MB, H).transpose(1, 0, 2, 3).reshape(dp * m, MB, H)
