@@ -64,6 +64,39 @@ def execute_schedule(
     on the rank holding the last virtual stage, zeros elsewhere), this rank's ``[vpp, ...]``
     grads (None when ``forward_only``) and the summed token count (None without per-token loss).
     """
+
+    def stage_step(p, _shared, d, received, vs):
+        # Megatron's set_input_tensor: virtual stage 0 reads the data, the others the received activation.
+        out, loss_func = forward_step_func(d, lambda x: stage_fn(p, jnp.where(vs == 0, x, received)))
+        return out, loss_func(out)
+
+    losses, grads, _, ntok = execute_stages(
+        stage_step, data, params, None, num_model_chunks=num_model_chunks, forward_only=forward_only,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage, axis_name=axis_name)
+    return losses, grads, ntok
+
+
+def execute_stages(
+    stage_step: Callable,
+    data: Any,
+    chunk_params: Any,
+    shared_params: Any = None,
+    *,
+    num_model_chunks: int = 1,
+    forward_only: bool = False,
+    microbatch_group_size_per_vp_stage: int | None = None,
+    axis_name: str = "pp",
+) -> tuple[list[dict], Any, Any, jax.Array | None]:
+    """The executor, for models whose first and last stages differ (embedding, output layer).
+
+    ``stage_step(chunk_params, shared_params, microbatch, received, virtual_stage)`` returns
+    ``(output_activation, loss_result)``: ``received`` is the activation from the previous
+    virtual stage (garbage on virtual stage 0, which reads ``microbatch`` instead), and
+    ``loss_result`` is what Megatron's ``loss_func`` returns (used on the last virtual stage
+    only). ``chunk_params`` have a leading ``[num_model_chunks]`` dim (this rank's chunks);
+    ``shared_params`` are used by every chunk (e.g. a tied embedding) and their grads are summed.
+    Returns ``(losses_reduced, chunk_grads, shared_grads, num_tokens)``.
+    """
     pp, vpp = lax.axis_size(axis_name), num_model_chunks
     m = jax.tree.leaves(data)[0].shape[0]
     timeline = build_timeline(m, pp, vpp, microbatch_group_size_per_vp_stage, forward_only)
@@ -72,18 +105,18 @@ def execute_schedule(
     last_vs = pp * vpp - 1
     fwd_table, bwd_table = jnp.asarray(timeline.forward), jnp.asarray(timeline.backward)
     take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+    shared = shared_params
 
     per_token = {}  # set while tracing: does loss_func return (loss_sum, num_tokens, dict)?
 
-    def run(p, d, received, first):
-        # Megatron's set_input_tensor: virtual stage 0 reads the data, the others the received activation.
-        out, loss_func = forward_step_func(d, lambda x: stage_fn(p, jnp.where(first, x, received)))
-        loss, nt, reduced = split_loss(loss_func(out), m)
+    def run(p, sp, d, received, vs):
+        out, result = stage_step(p, sp, d, received, vs)
+        loss, nt, reduced = split_loss(result, m)
         per_token["yes"] = nt is not None
         return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced)
 
     d0 = take(data, 0)
-    out_shape, (_, _, rd_shape) = jax.eval_shape(lambda: run(take(params, 0), d0, jnp.zeros(()), True))
+    out_shape, (_, _, rd_shape) = jax.eval_shape(lambda: run(take(chunk_params, 0), shared, d0, jnp.zeros(()), 0))
     act_zero = jnp.zeros(out_shape.shape, out_shape.dtype)
     zeros_rd = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rd_shape)
     no_loss = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros_rd)
@@ -95,7 +128,7 @@ def execute_schedule(
     def forward(args):
         acts, code = args
         mb, c, vs = unpack(code)
-        y, (loss, nt, rd) = run(take(params, c), take(data, mb), acts[c, mb % k], vs == 0)
+        y, (loss, nt, rd) = run(take(chunk_params, c), shared, take(data, mb), acts[c, mb % k], vs)
         return y, (loss.astype(jnp.float32), nt, rd)
 
     def backward(args):
@@ -103,16 +136,17 @@ def execute_schedule(
         mb, c, vs = unpack(code)
         is_last = vs == last_vs
 
-        def f(p, r):
-            out, (loss, nt, rd) = run(p, take(data, mb), r, vs == 0)
+        def f(p, sp, r):
+            out, (loss, nt, rd) = run(p, sp, take(data, mb), r, vs)
             return (out, loss), (nt, rd)
 
-        (_, loss), vjp, (nt, rd) = jax.vjp(f, take(params, c), acts[c, mb % k], has_aux=True)
+        (_, loss), vjp, (nt, rd) = jax.vjp(f, take(chunk_params, c), shared, acts[c, mb % k], has_aux=True)
         cot_out = jnp.where(is_last, jnp.zeros_like(act_zero), grads[c, mb % k])
-        gp, gx = vjp((cot_out, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
-        return (loss.astype(jnp.float32), nt, rd), gp, gx
+        gp, gs, gx = vjp((cot_out, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
+        return (loss.astype(jnp.float32), nt, rd), gp, gs, gx
 
-    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), params)
+    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
+    zero_shared = jax.tree.map(jnp.zeros_like, shared)
 
     def record(rds, ntok, code, result):
         mb, _, vs = unpack(code)
@@ -122,17 +156,18 @@ def execute_schedule(
         return rds, ntok + jnp.where(hit, nt, 0.0)
 
     def slot(carry, t):
-        acts, grads, param_grads, rds, ntok = carry
+        acts, grads, param_grads, shared_grads, rds, ntok = carry
         f_code, b_code = fwd_table[t, rank], bwd_table[t, rank]
         y, f_res = lax.cond(f_code >= 0, forward, lambda _: (act_zero, no_loss), (acts, f_code))
         if forward_only:
             rds, ntok = record(rds, ntok, f_code, f_res)
             gx = act_zero
         else:
-            b_res, gp, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, act_zero),
-                                     (acts, grads, b_code))
+            b_res, gp, gs, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, zero_shared, act_zero),
+                                         (acts, grads, b_code))
             _, b_c, _ = unpack(b_code)
             param_grads = jax.tree.map(lambda acc, g: acc.at[b_c].add(g), param_grads, gp)
+            shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
             rds, ntok = record(rds, ntok, b_code, b_res)
         # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).
         recv_y = lax.ppermute(y, axis_name, [(i, (i + 1) % pp) for i in range(pp)])
@@ -147,14 +182,17 @@ def execute_schedule(
             ok_b = (bwd_table[t, nxt] >= 0) & (sb_c * pp + nxt > 0)
             dest_b = jnp.clip(sb_c - (nxt == 0), 0, vpp - 1)  # rank 0's chunk c sends to rank pp-1's chunk c-1
             grads = jnp.where(ok_b, grads.at[dest_b, sb_mb % k].set(recv_g), grads)
-        return (acts, grads, param_grads, rds, ntok), None
+        return (acts, grads, param_grads, shared_grads, rds, ntok), None
 
     buffers = jnp.zeros((vpp, k) + act_zero.shape, act_zero.dtype)
     rds0 = jax.tree.map(lambda z: jnp.zeros((m,) + z.shape, z.dtype), zeros_rd)
-    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, params), rds0, jnp.zeros((), jnp.float32))
-    (_, _, param_grads, rds, ntok), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
+    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, chunk_params), zero_shared, rds0,
+            jnp.zeros((), jnp.float32))
+    (_, _, param_grads, shared_grads, rds, ntok), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
     losses = [take(rds, i) for i in range(m)]
-    return losses, (None if forward_only else param_grads), (ntok if per_token["yes"] else None)
+    if forward_only:
+        param_grads = shared_grads = None
+    return losses, param_grads, shared_grads, (ntok if per_token["yes"] else None)
 
 
 def forward_backward_table_driven(
