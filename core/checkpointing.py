@@ -1,0 +1,256 @@
+"""Distributed checkpointing of global ``jax.Array`` pytrees with orbax.
+
+One checkpoint is one step directory written by every process together (a collective, like
+Megatron's ``save_checkpoint``)::
+
+    <directory>/<step>/state/   the pytree (StandardCheckpointHandler, OCDBT; each process
+                                writes only its own shards)
+    <directory>/<step>/meta/    a JSON-able dict (iteration, consumed samples, layout, seed...)
+    <directory>/<step>/commit_success.txt
+
+Atomicity comes from orbax: a save writes ``<step>.orbax-checkpoint-tmp-*``, writes the commit
+marker ``commit_success.txt`` into it and only then renames it to ``<step>``. This module counts
+a step as complete only when the marker is there, because orbax itself (on a local filesystem)
+trusts any directory named like a step. Without this, a half-copied step directory would be
+reported as the latest checkpoint and, worse, counted by orbax's ``max_to_keep`` garbage
+collection, which could then delete the last good checkpoint.
+
+Restores go straight into the requested shardings, so a checkpoint written with one mesh
+layout can be read into any other sharding of the same global shapes. Shapes and the tree
+structure are checked against the saved metadata first so that a mismatch is a clear
+``ValueError`` rather than an orbax traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+__all__ = ["latest_step", "load_metadata", "restore_checkpoint", "save_checkpoint", "complete_steps"]
+
+logger = logging.getLogger(__name__)
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+# Orbax's commit marker: written inside the tmp dir right before the rename (or, on object
+# stores, into the final dir as the very last write).
+COMMIT_MARKER = "commit_success.txt"
+DEFAULT_MAX_TO_KEEP = 2
+
+
+# ---------------------------------------------------------------------------------------
+# Finding complete checkpoints (plain filesystem reads: no collective, any process may call)
+# ---------------------------------------------------------------------------------------
+
+
+def _step_dir(directory: str | os.PathLike, step: int) -> str:
+    return os.path.join(os.fspath(directory), str(step))
+
+
+def _is_complete(step_dir: str) -> bool:
+    return os.path.isfile(os.path.join(step_dir, COMMIT_MARKER))
+
+
+def complete_steps(directory: str | os.PathLike) -> list[int]:
+    """Sorted steps of the complete (committed) checkpoints in ``directory``; [] if none or missing."""
+    if not os.path.isdir(directory):
+        return []
+    # Tmp dirs ("<step>.orbax-checkpoint-tmp-<ts>") are not all digits, so they never match.
+    return sorted(
+        int(name) for name in os.listdir(directory)
+        if name.isdigit() and _is_complete(_step_dir(directory, int(name)))
+    )
+
+
+def _incomplete_step_dirs(directory: str) -> list[str]:
+    if not os.path.isdir(directory):
+        return []
+    return [
+        _step_dir(directory, int(name)) for name in os.listdir(directory)
+        if name.isdigit() and os.path.isdir(_step_dir(directory, int(name)))
+        and not _is_complete(_step_dir(directory, int(name)))
+    ]
+
+
+def latest_step(directory: str | os.PathLike) -> int | None:
+    """The newest complete checkpoint step in ``directory``; None if there is none (or no directory)."""
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
+
+
+def _require_step(directory: str, step: int | None) -> int:
+    """``step`` (or the latest one when None), checked to be a complete checkpoint."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    if step is None:
+        step = latest_step(directory)
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {directory!r}")
+        return step
+    if not _is_complete(_step_dir(directory, step)):
+        raise FileNotFoundError(
+            f"no complete checkpoint for step {step} in {directory!r} "
+            f"(complete steps: {complete_steps(directory)})"
+        )
+    return step
+
+
+def load_metadata(directory: str | os.PathLike, step: int | None = None) -> dict:
+    """The metadata dict saved with ``step`` (the latest complete step when None)."""
+    directory = os.path.abspath(directory)
+    step = _require_step(directory, step)
+    # Handler-level read: unlike a CheckpointManager it has no barriers, so any process may call it.
+    path = epath.Path(_step_dir(directory, step)) / META_ITEM
+    return dict(ocp.JsonCheckpointHandler().restore(path, args=ocp.args.JsonRestore()))
+
+
+# ---------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
+
+
+def _remove_incomplete_steps(directory: str) -> None:
+    """Delete step dirs without a commit marker (process 0), then wait for every process.
+
+    Orbax treats them as real checkpoints, so left in place they would make ``save`` refuse
+    that step and take a slot in ``max_to_keep`` (evicting a good checkpoint).
+    """
+    if jax.process_index() == 0:
+        for path in _incomplete_step_dirs(directory):
+            logger.warning("removing incomplete checkpoint %s (no %s)", path, COMMIT_MARKER)
+            shutil.rmtree(path)
+    _barrier(f"checkpointing:remove_incomplete:{directory}")
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    state: Any,
+    metadata: dict,
+    max_to_keep: int | None = DEFAULT_MAX_TO_KEEP,
+) -> None:
+    """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and ``metadata``.
+
+    Collective: every process must call it with the same arguments. Blocks until the
+    checkpoint is committed, so a process killed right after this returns leaves a complete
+    checkpoint. Keeps only the newest ``max_to_keep`` checkpoints (None keeps all).
+    Raises ``ValueError`` if ``step`` is not newer than the latest complete checkpoint
+    (orbax would otherwise skip the save silently, or keep the wrong checkpoints).
+    """
+    directory = os.path.abspath(directory)
+    last = latest_step(directory)
+    if last is not None and step <= last:
+        raise ValueError(
+            f"cannot save step {step} in {directory!r}: it is not newer than the latest checkpoint {last}"
+        )
+    _remove_incomplete_steps(directory)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        # Tmp dirs of interrupted saves are never read back; clear them out.
+        cleanup_tmp_directories=True,
+        # Synchronous save: the caller relies on the checkpoint existing once we return.
+        enable_async_checkpointing=False,
+    )
+    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(metadata)})
+    with ocp.CheckpointManager(directory, options=options) as manager:
+        # force: we already enforced "newer than latest"; never let save_interval policies skip it.
+        saved = manager.save(step, args=args, force=True)
+        manager.wait_until_finished()
+    if not saved:
+        raise RuntimeError(f"orbax did not save step {step} in {directory!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Restoring
+# ---------------------------------------------------------------------------------------
+
+
+def _key_name(key: Any) -> str:
+    """One path element as orbax names it (namedtuple fields and sequence indices included)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _is_meta_leaf(x: Any) -> bool:
+    # Orbax's metadata objects are not pytree nodes; None stays an empty node like in the target.
+    return x is not None and not isinstance(x, (dict, list, tuple))
+
+
+def _flatten(tree: Any, is_leaf: Any = None) -> dict[tuple[str, ...], Any]:
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _fmt(path: Sequence[str]) -> str:
+    return "/".join(path) or "<root>"
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(getattr(x, "shape", np.shape(x)))
+
+
+def check_against_saved(target: Any, saved_tree: Any) -> None:
+    """Raise ``ValueError`` naming the first path whose presence or global shape differs."""
+    want = _flatten(target)
+    have = _flatten(saved_tree, is_leaf=_is_meta_leaf)
+    for path, leaf in want.items():
+        if path not in have:
+            raise ValueError(f"checkpoint has no entry {_fmt(path)!r} (target shape {_shape(leaf)})")
+        if _shape(leaf) != _shape(have[path]):
+            raise ValueError(
+                f"shape mismatch at {_fmt(path)!r}: checkpoint {_shape(have[path])}, target {_shape(leaf)}"
+            )
+    extra = [p for p in have if p not in want]
+    if extra:
+        raise ValueError(
+            f"target has no entry {_fmt(extra[0])!r} (checkpoint shape {_shape(have[extra[0]])}); "
+            f"{len(extra)} saved entries are missing from the target"
+        )
+
+
+def _abstract(leaf: Any) -> Any:
+    """Restore target for one leaf: jax arrays become ShapeDtypeStructs with their sharding."""
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None:
+        # Without a sharding orbax falls back to the saved one, which may name another mesh.
+        raise ValueError(f"restore target {leaf} has no sharding; set ShapeDtypeStruct(..., sharding=...)")
+    return leaf
+
+
+def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: Any) -> tuple[Any, dict]:
+    """Restore ``step`` (latest complete one when None) into ``target``; return ``(state, metadata)``.
+
+    ``target`` mirrors the saved pytree: ``jax.ShapeDtypeStruct`` leaves with ``.sharding`` set
+    (or concrete arrays, whose shape, dtype and sharding are used), numpy arrays and python
+    scalars for host values. Arrays are read directly into the target shardings, which may
+    differ from the ones used at save time. Collective: every process must call it.
+    Raises ``FileNotFoundError`` when there is no such checkpoint and ``ValueError`` when the
+    tree structure or a global shape differs from the saved one.
+    """
+    directory = os.path.abspath(directory)
+    step = _require_step(directory, step)
+    abstract = jax.tree.map(_abstract, target)
+    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(_step_dir(directory, step)) / STATE_ITEM)
+    check_against_saved(abstract, saved.tree)
+    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    with ocp.CheckpointManager(directory, options=options) as manager:
+        restored = manager.restore(step, args=args)
+    return restored[STATE_ITEM], dict(restored[META_ITEM])

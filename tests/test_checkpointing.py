@@ -1,0 +1,245 @@
+"""core.checkpointing in one process with 8 simulated devices: round trips, resharding on
+restore, clear errors, retention and crash safety."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from core.checkpointing import (
+    COMMIT_MARKER,
+    complete_steps,
+    latest_step,
+    load_metadata,
+    restore_checkpoint,
+    save_checkpoint,
+)
+
+META = {"iteration": 7, "consumed_samples": 224, "layout": {"tp": 2, "pp": 1, "dp": 4}, "seed": 1234}
+
+
+def _mesh_x():
+    return Mesh(np.array(jax.devices()[:8]), ("x",))
+
+
+def _mesh_ab():
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+
+
+def _values(seed=0):
+    """Host values of the test state, as a nested dict."""
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {
+            "w": rng.standard_normal((16, 8)).astype(np.float32),
+            "b": rng.standard_normal((8,)).astype(np.float32),
+            "layers": [{"k": rng.standard_normal((8, 24)).astype(np.float32)}],
+        },
+        "opt": {"count": 3, "host_rng": np.arange(5, dtype=np.int64)},
+    }
+
+
+def _shardings_saved():
+    m, ab = _mesh_x(), _mesh_ab()
+    return {"w": NamedSharding(m, P("x")), "b": NamedSharding(m, P()), "k": NamedSharding(ab, P("a", "b"))}
+
+
+def _put(values, shardings):
+    """The state as global jax arrays with the given shardings (host leaves stay as they are)."""
+    p = values["params"]
+    return {
+        "params": {
+            "w": jax.device_put(p["w"], shardings["w"]),
+            "b": jax.device_put(p["b"], shardings["b"]),
+            "layers": [{"k": jax.device_put(p["layers"][0]["k"], shardings["k"])}],
+        },
+        "opt": dict(values["opt"]),
+    }
+
+
+def _abstract(values, shardings):
+    p = values["params"]
+    sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+    return {
+        "params": {
+            "w": sds(p["w"], shardings["w"]),
+            "b": sds(p["b"], shardings["b"]),
+            "layers": [{"k": sds(p["layers"][0]["k"], shardings["k"])}],
+        },
+        "opt": {"count": 0, "host_rng": np.zeros(5, np.int64)},
+    }
+
+
+def _assert_state(restored, values, shardings):
+    p, r = values["params"], restored["params"]
+    for got, want, sharding in ((r["w"], p["w"], shardings["w"]), (r["b"], p["b"], shardings["b"]),
+                                (r["layers"][0]["k"], p["layers"][0]["k"], shardings["k"])):
+        assert isinstance(got, jax.Array)
+        assert got.sharding.is_equivalent_to(sharding, got.ndim), (got.sharding, sharding)
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert int(restored["opt"]["count"]) == values["opt"]["count"]
+    np.testing.assert_array_equal(restored["opt"]["host_rng"], values["opt"]["host_rng"])
+
+
+@pytest.fixture
+def ckdir(tmp_path):
+    return str(tmp_path / "ckpt")
+
+
+def _save(ckdir, step, seed=None, **kw):
+    save_checkpoint(ckdir, step, _put(_values(step if seed is None else seed), _shardings_saved()),
+                    {**META, "iteration": step}, **kw)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def test_round_trip_same_sharding(ckdir):
+    values, shardings = _values(), _shardings_saved()
+    save_checkpoint(ckdir, 10, _put(values, shardings), META)
+    assert latest_step(ckdir) == 10
+    assert os.path.isfile(os.path.join(ckdir, "10", COMMIT_MARKER))
+    state, meta = restore_checkpoint(ckdir, 10, _abstract(values, shardings))
+    _assert_state(state, values, shardings)
+    assert meta == META
+    assert load_metadata(ckdir, 10) == META
+    assert load_metadata(ckdir) == META
+
+
+@pytest.mark.parametrize("layout", ["columns", "replicated", "other_mesh"])
+def test_restore_into_different_sharding(ckdir, layout):
+    values = _values()
+    save_checkpoint(ckdir, 1, _put(values, _shardings_saved()), META)
+    m, ab = _mesh_x(), _mesh_ab()
+    new = {
+        "columns": {"w": NamedSharding(m, P(None, "x")), "b": NamedSharding(m, P("x")), "k": NamedSharding(m, P(None, "x"))},
+        "replicated": {"w": NamedSharding(m, P()), "b": NamedSharding(m, P()), "k": NamedSharding(m, P())},
+        "other_mesh": {"w": NamedSharding(ab, P("b", "a")), "b": NamedSharding(ab, P("a")), "k": NamedSharding(ab, P("b", "a"))},
+    }[layout]
+    state, meta = restore_checkpoint(ckdir, None, _abstract(values, new))
+    _assert_state(state, values, new)
+    assert meta == META
+
+
+def test_restore_into_concrete_arrays_uses_their_sharding(ckdir):
+    values = _values()
+    save_checkpoint(ckdir, 1, _put(values, _shardings_saved()), META)
+    m = _mesh_x()
+    new = {"w": NamedSharding(m, P(None, "x")), "b": NamedSharding(m, P()), "k": NamedSharding(m, P("x"))}
+    target = _put(_values(seed=99), new)  # same shapes/shardings, other values
+    state, _ = restore_checkpoint(ckdir, 1, target)
+    _assert_state(state, values, new)
+
+
+def test_shape_mismatch_names_path_and_both_shapes(ckdir):
+    values = _values()
+    save_checkpoint(ckdir, 1, _put(values, _shardings_saved()), META)
+    target = _abstract(values, _shardings_saved())
+    target["params"]["layers"][0]["k"] = jax.ShapeDtypeStruct((8, 32), jnp.float32, sharding=NamedSharding(_mesh_x(), P()))
+    with pytest.raises(ValueError, match=r"shape mismatch at 'params/layers/0/k': checkpoint \(8, 24\), target \(8, 32\)"):
+        restore_checkpoint(ckdir, 1, target)
+
+
+def test_structure_mismatch_names_path(ckdir):
+    values = _values()
+    save_checkpoint(ckdir, 1, _put(values, _shardings_saved()), META)
+    extra = _abstract(values, _shardings_saved())
+    extra["params"]["new_bias"] = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(_mesh_x(), P()))
+    with pytest.raises(ValueError, match=r"checkpoint has no entry 'params/new_bias' \(target shape \(4,\)\)"):
+        restore_checkpoint(ckdir, 1, extra)
+    missing = _abstract(values, _shardings_saved())
+    del missing["params"]["b"]
+    with pytest.raises(ValueError, match=r"target has no entry 'params/b' \(checkpoint shape \(8,\)\)"):
+        restore_checkpoint(ckdir, 1, missing)
+
+
+def test_target_without_sharding_is_rejected(ckdir):
+    values = _values()
+    save_checkpoint(ckdir, 1, _put(values, _shardings_saved()), META)
+    target = _abstract(values, _shardings_saved())
+    target["params"]["w"] = jax.ShapeDtypeStruct((16, 8), jnp.float32)
+    with pytest.raises(ValueError, match="no sharding"):
+        restore_checkpoint(ckdir, 1, target)
+
+
+def test_latest_step_none_and_several(ckdir):
+    assert latest_step(ckdir) is None  # missing directory
+    os.makedirs(ckdir)
+    assert latest_step(ckdir) is None  # empty directory
+    for step in (5, 20, 100):
+        _save(ckdir, step, max_to_keep=None)
+    assert latest_step(ckdir) == 100
+    assert complete_steps(ckdir) == [5, 20, 100]
+    assert load_metadata(ckdir, 20)["iteration"] == 20
+
+
+@pytest.mark.parametrize("max_to_keep,kept", [(None, [1, 2, 3, 4]), (2, [3, 4]), (3, [2, 3, 4]), (1, [4])])
+def test_max_to_keep(ckdir, max_to_keep, kept):
+    for step in (1, 2, 3, 4):
+        _save(ckdir, step, max_to_keep=max_to_keep)
+    assert complete_steps(ckdir) == kept
+    assert sorted(n for n in os.listdir(ckdir) if n.isdigit()) == [str(s) for s in kept]
+
+
+def test_default_keeps_two(ckdir):
+    for step in (1, 2, 3):
+        _save(ckdir, step)
+    assert complete_steps(ckdir) == [2, 3]
+
+
+def test_interrupted_save_is_ignored_and_previous_checkpoint_survives(ckdir):
+    _save(ckdir, 3)
+    _save(ckdir, 4)
+    # What a kill during a save leaves behind: orbax's tmp dir (no marker yet) ...
+    tmp = os.path.join(ckdir, "5.orbax-checkpoint-tmp-1700000000000000")
+    shutil.copytree(os.path.join(ckdir, "4"), tmp)
+    os.remove(os.path.join(tmp, COMMIT_MARKER))
+    # ... and a step dir written in place without its commit marker (e.g. a partial copy).
+    partial = os.path.join(ckdir, "6")
+    os.makedirs(os.path.join(partial, "state"))
+    with open(os.path.join(partial, "state", "_METADATA"), "w") as fh:
+        fh.write("{truncated")
+
+    assert latest_step(ckdir) == 4
+    assert complete_steps(ckdir) == [3, 4]
+    state, meta = restore_checkpoint(ckdir, None, _abstract(_values(4), _shardings_saved()))
+    _assert_state(state, _values(4), _shardings_saved())
+    assert meta["iteration"] == 4
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint for step 6"):
+        restore_checkpoint(ckdir, 6, _abstract(_values(4), _shardings_saved()))
+    with pytest.raises(FileNotFoundError, match="step 5"):
+        load_metadata(ckdir, 5)
+
+    # The next save clears the debris; the partial "6" does not take a max_to_keep slot.
+    _save(ckdir, 7)
+    assert complete_steps(ckdir) == [4, 7]
+    assert sorted(os.listdir(ckdir)) == ["4", "7"]
+    state, _ = restore_checkpoint(ckdir, 4, _abstract(_values(4), _shardings_saved()))
+    _assert_state(state, _values(4), _shardings_saved())
+
+
+def test_step_must_be_newer_than_latest(ckdir):
+    _save(ckdir, 5)
+    for step in (5, 3):
+        with pytest.raises(ValueError, match=f"cannot save step {step}.*latest checkpoint 5"):
+            _save(ckdir, step)
+    assert complete_steps(ckdir) == [5]
+
+
+def test_missing_directory_and_no_checkpoint(ckdir):
+    target = _abstract(_values(), _shardings_saved())
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        restore_checkpoint(ckdir, None, target)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_metadata(ckdir, 1)
+    os.makedirs(ckdir)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint in"):
+        restore_checkpoint(ckdir, None, target)
+    _save(ckdir, 1)
+    with pytest.raises(FileNotFoundError, match=r"step 2 .*complete steps: \[1\]"):
+        restore_checkpoint(ckdir, 2, target)
