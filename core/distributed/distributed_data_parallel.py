@@ -47,6 +47,7 @@ from core.parallel_state import ParallelState
 from core.param_metadata import init_sharded_params
 
 LossFn = Callable[[Any, Any], jax.Array]
+ForwardBackwardFn = Callable[[Any, Any], tuple[Any, jax.Array, jax.Array]]
 
 
 class DistributedDataParallel:
@@ -158,7 +159,8 @@ class DistributedDataParallel:
         return jax.jit(self._shard_map(fn, (meta["param_specs"],), self.local_spec))(params)
 
     # -- the fused step --------------------------------------------------------------------
-    def make_train_step(self, loss_fn: LossFn, num_microbatches: int = 1, *, per_token_loss: bool = False):
+    def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
+                        forward_backward: ForwardBackwardFn | None = None):
         """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
         ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
@@ -167,9 +169,15 @@ class DistributedDataParallel:
         parallelism and then into ``num_microbatches``. Metrics: ``loss`` (global mean),
         ``grad_norm`` (before clipping), ``nonfinite`` (device-local per-param flags),
         ``skipped`` (update skipped because of a NaN/Inf grad).
+
+        ``forward_backward(params, local_batch) -> (grads, loss, num_tokens)`` replaces the
+        microbatch loop (e.g. a pipeline schedule, which splits microbatches itself); its grads
+        follow the same loss-normalisation contract and ``loss`` is this rank's mean loss.
         """
         meta = self._require_init()
-        step = self._step_body(loss_fn, num_microbatches, per_token_loss)
+        if (loss_fn is None) == (forward_backward is None):
+            raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
+        step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward)
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
         fn = self._shard_map(step, (meta["param_specs"], self.local_spec, self.batch_spec, P()),
                              (meta["param_specs"], self.local_spec, metric_specs))
@@ -216,14 +224,19 @@ class DistributedDataParallel:
             acc, _ = lax.scan(add, zero, mbs)
         return acc
 
-    def _step_body(self, loss_fn, num_microbatches, per_token_loss):
+    def _step_body(self, loss_fn, num_microbatches, per_token_loss, forward_backward=None):
         meta = self._require_init()
         state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
         dp_axes = state.data_parallel_with_context_axis_name
 
         def body(params, opt_state, batch, masks):
             opt_state = self._to_local(opt_state)
-            grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss)
+            if forward_backward is None:
+                grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss)
+            else:
+                grads, loss, tokens = forward_backward(params, batch)
+                grad_dtype = jnp.float32 if ddp_config.grad_reduce_in_fp32 else None
+                grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
             leaves = jax.tree.leaves(params)
             grad_leaves = jax.tree.leaves(grads)
             flags = nonfinite_flags(grad_leaves)

@@ -1,0 +1,1 @@
+"""Models built on the parallel layers (``gpt``)."""

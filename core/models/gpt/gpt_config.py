@@ -1,0 +1,85 @@
+"""``GPTConfig``: the model's shape and numerics (Megatron's ``TransformerConfig`` subset)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters of :class:`~core.models.gpt.GPTModel`."""
+
+    vocab_size: int = 256
+    """Vocabulary size (must divide by the tensor-parallel size)."""
+    num_layers: int = 4
+    """Transformer layers (must divide by pipeline x virtual-pipeline size)."""
+    hidden_size: int = 128
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads (must divide by the tensor-parallel size)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means ``4 * hidden_size``."""
+    seq_length: int = 128
+    """Tokens per sample (must divide by tp under sequence parallelism)."""
+    position_embedding_type: str = "learned_absolute"
+    """``"learned_absolute"`` (a ``[seq_length, hidden]`` table) or ``"rope"`` (rotary on q and k)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output layer to the word embedding (Megatron's default)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and residuals on ``[s/tp, b, h]`` shards."""
+    recompute_granularity: str | None = None
+    """``"full"``: recompute each layer's activations in the backward (``jax.checkpoint``)."""
+    bf16: bool = False
+    """Compute in bfloat16 (parameters, gradients and optimizer stay float32)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP width actually used."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def compute_dtype(self):
+        """Activation dtype."""
+        return jnp.bfloat16 if self.bf16 else jnp.float32
+
+    def flops_per_token(self) -> float:
+        """Model FLOPs of forward + backward per token (``6 N`` + attention, Megatron's formula)."""
+        h, s, layers = self.hidden_size, self.seq_length, self.num_layers
+        # forward per token and layer: qkv 6h^2, projection 2h^2, MLP 4h*ffn, scores + values 4sh
+        per_layer = 8 * h * h + 4 * h * self.ffn_size + 4 * s * h
+        logits = 2 * h * self.vocab_size
+        return 3.0 * (layers * per_layer + logits)  # backward = 2x forward
+
+    def validate(self, tensor_model_parallel_size: int, pipeline_chunks: int) -> None:
+        """Raise ``ValueError`` naming the numbers when a size does not divide."""
+        tp = tensor_model_parallel_size
+        checks = [
+            (self.num_attention_heads % tp == 0, f"num_attention_heads {self.num_attention_heads} is not divisible "
+                                                 f"by tensor_model_parallel_size {tp}"),
+            (self.hidden_size % self.num_attention_heads == 0, f"hidden_size {self.hidden_size} is not divisible "
+                                                               f"by num_attention_heads {self.num_attention_heads}"),
+            (self.vocab_size % tp == 0, f"vocab_size {self.vocab_size} is not divisible by "
+                                        f"tensor_model_parallel_size {tp}"),
+            (self.ffn_size % tp == 0, f"ffn_hidden_size {self.ffn_size} is not divisible by "
+                                      f"tensor_model_parallel_size {tp}"),
+            (self.num_layers % pipeline_chunks == 0, f"num_layers {self.num_layers} is not divisible by pipeline "
+                                                     f"stages x virtual chunks = {pipeline_chunks}"),
+            (not self.sequence_parallel or self.seq_length % tp == 0,
+             f"seq_length {self.seq_length} is not divisible by tensor_model_parallel_size {tp} "
+             "(needed by --sequence-parallel)"),
+            (self.position_embedding_type in ("learned_absolute", "rope"),
+             f"position_embedding_type must be 'learned_absolute' or 'rope', got {self.position_embedding_type!r}"),
+            (self.recompute_granularity in (None, "full"),
+             f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,155 @@
+"""GPT building blocks as flax linen modules, run inside ``shard_map`` on local shards.
+
+Activations are ``[s, b, h]`` (Megatron's layout), ``[s/tp, b, h]`` under sequence parallelism.
+Every parameter is initialised tensor-parallel-invariantly (the tp=1 weight split k ways) and
+declares its split (``core.param_metadata``), so the model is the same whatever the layout.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.models.gpt.gpt_config import GPTConfig
+from core.param_metadata import with_parallel_metadata
+from core.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    tensor_parallel_init,
+    vocab_parallel_cross_entropy,
+)
+from core.tensor_parallel.layers import default_init_method
+from core.tensor_parallel.utils import divide
+
+
+def _normal(std: float):
+    return lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype) * std
+
+
+def layer_norm(config: GPTConfig, name: str) -> nn.LayerNorm:
+    """A LayerNorm whose params are tagged sequence-parallel when the activations are shards."""
+    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=config.sequence_parallel)
+    return nn.LayerNorm(epsilon=config.layernorm_epsilon, scale_init=meta(nn.initializers.ones),
+                        bias_init=meta(nn.initializers.zeros), name=name)
+
+
+def apply_rotary(x: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding on ``[s, b, heads, d]`` (positions 0..s-1, rotate-half form)."""
+    s, d = x.shape[0], x.shape[-1]
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, None, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, None, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over tp (Megatron's ``SelfAttention``).
+
+    The fused QKV weight is laid out head-major (``[heads, 3, head_dim]`` rows), so splitting its
+    rows over tp gives each rank whole heads.
+    """
+
+    config: GPTConfig
+    """Model hyper-parameters."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[s(/tp), b, h] -> [s(/tp), b, h]`` (before the residual add)."""
+        cfg = self.config
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        head_dim = h // heads
+        qkv, _ = ColumnParallelLinear(h, 3 * h, sequence_parallel=cfg.sequence_parallel,
+                                      init_method=_normal(cfg.init_method_std), name="linear_qkv")(x)
+        s, b = qkv.shape[0], qkv.shape[1]
+        local_heads = qkv.shape[-1] // (3 * head_dim)
+        q, k, v = jnp.moveaxis(qkv.reshape(s, b, local_heads, 3, head_dim), 3, 0)
+        if cfg.position_embedding_type == "rope":
+            q, k = apply_rotary(q, cfg.rotary_base), apply_rotary(k, cfg.rotary_base)
+        # jax.nn.dot_product_attention takes [batch, seq, heads, dim]; softmax in float32.
+        to_bsnd = lambda t: jnp.swapaxes(t, 0, 1)
+        ctx = jax.nn.dot_product_attention(to_bsnd(q), to_bsnd(k), to_bsnd(v), is_causal=True)
+        ctx = jnp.swapaxes(ctx, 0, 1).reshape(s, b, local_heads * head_dim)
+        # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
+        out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
+        out, _ = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=cfg.sequence_parallel,
+                                   init_method=_normal(out_std), name="linear_proj")(ctx)
+        return out
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer: ``x + Attn(LN(x))``, then ``y + MLP(LN(y))``."""
+
+    config: GPTConfig
+    """Model hyper-parameters."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """One layer on ``[s(/tp), b, h]`` activations."""
+        cfg = self.config
+        x = x + ParallelAttention(cfg, name="self_attention")(layer_norm(cfg, "input_layernorm")(x))
+        return ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=cfg.sequence_parallel, name="mlp")(x)
+
+
+class GPTEmbedding(nn.Module):
+    """Word embedding (vocabulary split over tp) plus learned absolute positions.
+
+    Returns ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` shard under sequence parallelism.
+    """
+
+    config: GPTConfig
+    """Model hyper-parameters."""
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """Embed ``[b, s]`` token ids."""
+        cfg = self.config
+        sp = cfg.sequence_parallel
+        x = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, reduce_scatter_embeddings=sp,
+                                   init_method=_normal(cfg.init_method_std), shared_embedding=True,
+                                   name="word_embeddings")(tokens)
+        if not sp:
+            x = jnp.swapaxes(x, 0, 1)  # [b, s, h] -> [s, b, h]
+        if cfg.position_embedding_type == "learned_absolute":
+            table = self.param("position_embeddings", with_parallel_metadata(
+                _normal(cfg.init_method_std), (None, None), sequence_parallel=sp), (cfg.seq_length, cfg.hidden_size))
+            s_local = x.shape[0]
+            start = lax.axis_index("tp") * s_local if sp else 0
+            x = x + lax.dynamic_slice_in_dim(table, start, s_local, axis=0)[:, None, :]
+        return x
+
+
+class GPTOutputHead(nn.Module):
+    """Final LayerNorm and, when untied, the output layer's own ``[V/tp, h]`` weight."""
+
+    config: GPTConfig
+    """Model hyper-parameters."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, word_embeddings: jax.Array | None) -> jax.Array:
+        """Vocabulary-split logits ``[s, b, V/tp]`` from ``[s(/tp), b, h]`` activations."""
+        cfg = self.config
+        x = layer_norm(cfg, "final_layernorm")(x)
+        weight = word_embeddings
+        if weight is None:
+            local = divide(cfg.vocab_size, lax.axis_size("tp"))
+            weight = self.param("output_layer", with_parallel_metadata(
+                tensor_parallel_init(default_init_method, 0), ("tp", None)), (local, cfg.hidden_size))
+        if cfg.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        return jnp.einsum("sbh,vh->sbv", x, weight.astype(x.dtype))
+
+
+def language_model_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
+    return jnp.mean(vocab_parallel_cross_entropy(logits, jnp.swapaxes(labels, 0, 1)))

@@ -1,0 +1,162 @@
+"""``GPTModel``: the GPT split over tensor, sequence and (virtual) pipeline parallelism.
+
+Parameters (global arrays, sharded as their metadata says)::
+
+    {"embedding": {"word_embeddings": {"weight": [V, h]  split over tp},
+                   "position_embeddings": [s, h]},          # learned positions only
+     "layers": <TransformerLayer params stacked [vpp, L / vpp, ...], dim 1 split over pp>,
+     "head":   {"final_layernorm": ..., "output_layer": [V, h] when untied}}
+
+Layer ``l`` sits at ``layers[l // (L/vpp), l % (L/vpp)]``, so pipeline rank ``r`` holds, in chunk
+``c``, the layers of virtual stage ``c * pp + r`` (Megatron's interleaved assignment) and the
+global arrays are the same for every layout with the same ``vpp``. Layer ``l`` is initialised
+from ``fold_in(key, l)`` and every weight tensor-parallel-invariantly, so the initial model does
+not depend on tp, pp or dp. Embedding and head live on every pipeline stage (used by the first
+and last); ``finalize_model_grads`` sums their grads over ``"pp"``, Megatron's embedding group.
+
+Two training paths give the same result: without pipelining :meth:`GPTModel.loss_fn` is
+differentiated by DDP's microbatch loop; with pipelining :meth:`GPTModel.forward_backward` runs
+Megatron's (interleaved) 1F1B with the table-driven executor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.models.gpt.gpt_config import GPTConfig
+from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, TransformerLayer, language_model_loss
+from core.parallel_state import PP_AXIS, ParallelState
+from core.param_metadata import unbox
+from core.pipeline_parallel.table_driven import execute_stages
+
+
+class GPTModel:
+    """Megatron's ``GPTModel`` for one :class:`ParallelState` (pure functions over explicit params)."""
+
+    def __init__(self, config: GPTConfig, state: ParallelState):
+        self.config = config
+        self.state = state
+        self.pp = state.pipeline_model_parallel_size
+        self.vpp = state.virtual_pipeline_model_parallel_size or 1
+        config.validate(state.tensor_model_parallel_size, self.pp * self.vpp)
+        self.layers_per_chunk = config.num_layers // (self.pp * self.vpp)
+        self.embedding = GPTEmbedding(config)
+        self.layer = TransformerLayer(config)
+        self.head = GPTOutputHead(config)
+
+    # -- parameters -----------------------------------------------------------------------
+    def init(self, rng: jax.Array, tokens: jax.Array) -> dict:
+        """Boxed local parameters (inside ``shard_map``; ``tokens`` a local ``[b, s]`` sample)."""
+        k_emb, k_layers, k_head = jax.random.split(rng, 3)
+        emb = self.embedding.init(k_emb, tokens)["params"]
+        x = self.embedding.apply({"params": unbox(emb)}, tokens)
+        first = (jnp.arange(self.vpp)[:, None] * self.pp + lax.axis_index(PP_AXIS)) * self.layers_per_chunk
+        index = first + jnp.arange(self.layers_per_chunk)[None, :]
+        one = lambda i: self.layer.init(jax.random.fold_in(k_layers, i), x)["params"]
+        stacked = jax.vmap(jax.vmap(one))(index)
+        layers = jax.tree.map(lambda b: b.replace(names=(None, PP_AXIS) + tuple(b.names)), stacked, is_leaf=_is_box)
+        word = None if not self.config.share_embeddings_and_output_weights else unbox(emb)["word_embeddings"]["weight"]
+        head = self.head.init(k_head, x, word)["params"]
+        return {"embedding": emb, "layers": layers, "head": head}
+
+    def _cast(self, tree: Any) -> Any:
+        dtype = self.config.compute_dtype
+        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+    # -- forward pieces (inside shard_map, local shapes) ----------------------------------
+    def embed(self, shared: dict, tokens: jax.Array) -> jax.Array:
+        """First stage: ``[b, s]`` ids to ``[s(/tp), b, h]`` activations."""
+        x = self.embedding.apply({"params": self._cast(shared["embedding"])}, tokens)
+        return x.astype(self.config.compute_dtype)
+
+    def run_layers(self, chunk_layers: Any, x: jax.Array) -> jax.Array:
+        """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan."""
+        body = lambda h, lp: (self.layer.apply({"params": lp}, h), None)
+        if self.config.recompute_granularity == "full":
+            body = jax.checkpoint(body)
+        return lax.scan(body, x, self._cast(chunk_layers))[0]
+
+    def loss(self, shared: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """Last stage: final norm, output layer, mean vocabulary-parallel cross entropy."""
+        shared = self._cast(shared)
+        word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
+            else None
+        logits = self.head.apply({"params": shared["head"]}, x, word)
+        return language_model_loss(logits, labels)
+
+    def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
+        """Local shape of the activations sent between pipeline stages."""
+        s = self.config.seq_length
+        if self.config.sequence_parallel:
+            s //= self.state.tensor_model_parallel_size
+        return (s, micro_batch_size, self.config.hidden_size)
+
+    # -- whole-model entry points -----------------------------------------------------------
+    def loss_fn(self, params: dict, microbatch: dict) -> jax.Array:
+        """Mean loss of one microbatch through the whole model (no pipelining)."""
+        if self.pp > 1:
+            raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
+        x = self.embed(params, microbatch["tokens"])
+        for c in range(self.vpp):
+            x = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x)
+        return self.loss(params, x, microbatch["labels"])
+
+    def _stage_step(self, micro_batch_size: int):
+        last = self.pp * self.vpp - 1
+        shape = self.activation_shape(micro_batch_size)
+        dtype = self.config.compute_dtype
+
+        def stage_step(chunk, shared, mb, received, vs):
+            received = jnp.broadcast_to(received, shape).astype(dtype)
+            x = lax.cond(vs == 0, lambda: self.embed(shared, mb["tokens"]), lambda: received)
+            y = self.run_layers(chunk, x)
+            loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb["labels"]).astype(jnp.float32),
+                            lambda: jnp.zeros((), jnp.float32))
+            return y, (loss, {"lm loss": loss})
+
+        return stage_step
+
+    def forward_backward(self, params: dict, batch: dict, num_microbatches: int, *,
+                         forward_only: bool = False) -> tuple[Any, jax.Array]:
+        """Pipelined forward (and backward) of this rank's local batch, split into microbatches.
+
+        Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage.
+        """
+        m = num_microbatches
+        mbs = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
+        shared = {k: v for k, v in params.items() if k != "layers"}
+        losses, g_chunks, g_shared, _ = execute_stages(
+            self._stage_step(mbs["tokens"].shape[1]), mbs, params["layers"], shared, num_model_chunks=self.vpp,
+            forward_only=forward_only, axis_name=PP_AXIS)
+        loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
+        grads = None if forward_only else {"layers": g_chunks, **g_shared}
+        return grads, loss
+
+    def ddp_forward_backward(self, num_microbatches: int):
+        """``forward_backward(params, batch) -> (grads, loss, num_tokens)`` for DDP's train step."""
+
+        def fn(params, batch):
+            grads, loss = self.forward_backward(params, batch, num_microbatches)
+            return grads, loss, jnp.zeros((), jnp.float32)
+
+        return fn
+
+    def eval_loss(self, params: dict, batch: dict, num_microbatches: int) -> jax.Array:
+        """Mean loss of this rank's local batch (forward only; inside ``shard_map``)."""
+        if self.pp > 1:
+            return self.forward_backward(params, batch, num_microbatches, forward_only=True)[1]
+        m = num_microbatches
+        mbs = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
+        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), mbs))
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+__all__ = ["GPTModel"]
