@@ -205,8 +205,10 @@ def _shape(x: Any) -> tuple[int, ...]:
     return tuple(getattr(x, "shape", np.shape(x)))
 
 
-def check_against_saved(target: Any, saved_tree: Any) -> None:
-    """Raise ``ValueError`` naming the first path whose presence or global shape differs."""
+def check_against_saved(target: Any, saved_tree: Any, partial: bool = False) -> None:
+    """Raise ``ValueError`` naming the first path whose presence or global shape differs.
+
+    With ``partial`` the target may omit saved entries (restore a subtree, e.g. params only)."""
     want = _flatten(target)
     have = _flatten(saved_tree, is_leaf=_is_meta_leaf)
     for path, leaf in want.items():
@@ -217,7 +219,7 @@ def check_against_saved(target: Any, saved_tree: Any) -> None:
                 f"shape mismatch at {_fmt(path)!r}: checkpoint {_shape(have[path])}, target {_shape(leaf)}"
             )
     extra = [p for p in have if p not in want]
-    if extra:
+    if extra and not partial:
         raise ValueError(
             f"target has no entry {_fmt(extra[0])!r} (checkpoint shape {_shape(have[extra[0]])}); "
             f"{len(extra)} saved entries are missing from the target"
@@ -234,7 +236,8 @@ def _abstract(leaf: Any) -> Any:
     return leaf
 
 
-def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: Any) -> tuple[Any, dict]:
+def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: Any,
+                       partial: bool = False) -> tuple[Any, dict]:
     """Restore ``step`` (latest complete one when None) into ``target``; return ``(state, metadata)``.
 
     ``target`` mirrors the saved pytree: ``jax.ShapeDtypeStruct`` leaves with ``.sharding`` set
@@ -242,14 +245,16 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: A
     scalars for host values. Arrays are read directly into the target shardings, which may
     differ from the ones used at save time. Collective: every process must call it.
     Raises ``FileNotFoundError`` when there is no such checkpoint and ``ValueError`` when the
-    tree structure or a global shape differs from the saved one.
+    tree structure or a global shape differs from the saved one. With ``partial`` the target may
+    name a subset of the saved entries (e.g. ``{"params": ...}`` without the optimizer state).
     """
     directory = os.path.abspath(directory)
     step = _require_step(directory, step)
     abstract = jax.tree.map(_abstract, target)
     saved = ocp.StandardCheckpointHandler().metadata(epath.Path(_step_dir(directory, step)) / STATE_ITEM)
-    check_against_saved(abstract, saved.tree)
-    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
+    check_against_saved(abstract, saved.tree, partial)
+    restore = ocp.args.StandardRestore(abstract, strict=not partial)
+    args = ocp.args.Composite(**{STATE_ITEM: restore, META_ITEM: ocp.args.JsonRestore()})
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     with ocp.CheckpointManager(directory, options=options) as manager:
         restored = manager.restore(step, args=args)

@@ -143,6 +143,11 @@ class DistributedDataParallel:
         return out
 
     @property
+    def param_specs(self) -> Any:
+        """Partition spec of every parameter (the tree of ``shard_map`` in/out specs)."""
+        return self._require_init()["param_specs"]
+
+    @property
     def buffer_specs(self):
         """The gradient buffers (dtype keys, members, bucket layouts)."""
         return self._require_init()["specs"]

@@ -1,0 +1,1 @@
+"""GPT pretraining: Megatron flags (``arguments``), the loop (``pretrainer``), logging (``train_logging``)."""

@@ -1,0 +1,161 @@
+"""Megatron-style command-line flags of ``launch/pretrain.py`` and their validation.
+
+Defaults give a small GPT that trains in a few minutes on a 2-core CPU machine, both under
+``mpirun -n 8`` (tp=2, pp=2, dp=2) and in one process (tp=pp=1). Validation depends only on
+the flags and the world size, so every rank reaches the same verdict without communicating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from core.models.gpt import GPTConfig
+from core.pipeline_parallel.utils import get_num_layers_to_build
+
+
+class ArgumentError(ValueError):
+    """Flags that cannot work together (reported as one line, exit code 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (``--help`` lists every flag)."""
+    p = argparse.ArgumentParser(
+        description="Pretrain a GPT with tensor, pipeline and data parallelism (Megatron flags).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="tensor-parallel size (default: 2 when the world size is 8, else 1)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None,
+                   help="pipeline stages (default: 2 when the world size is 8, else 1)")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline stage (interleaved 1F1B)")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over dp (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="start bucket reductions during the backward")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden)")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--recompute-activations", action="store_true", help="recompute each layer in the backward")
+    g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (fp32 params and optimizer)")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=16)
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.95)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 disables)")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", default=None,
+                   help="text file or directory (default: the Python reference manual shipped with CPython)")
+    g.add_argument("--valid-fraction", type=float, default=0.05, help="share of the corpus held out")
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None, help="checkpoint directory")
+    g.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--no-load-optim", action="store_true", help="load only parameters (e.g. into another layout)")
+    g.add_argument("--eval-interval", type=int, default=50)
+    g.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
+    g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations (testing)")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes derived from the flags and the world size."""
+
+    tensor_model_parallel_size: int
+    """tp."""
+    pipeline_model_parallel_size: int
+    """pp."""
+    virtual_pipeline_model_parallel_size: int | None
+    """Model chunks per stage, or None."""
+    data_parallel_size: int
+    """world / (tp * pp)."""
+    num_microbatches: int
+    """global batch / (micro batch * dp)."""
+
+    def describe(self) -> str:
+        """``tp=2 pp=2 dp=2`` (+ vpp)."""
+        vpp = f" vpp={self.virtual_pipeline_model_parallel_size}" if self.virtual_pipeline_model_parallel_size else ""
+        return (f"tp={self.tensor_model_parallel_size} pp={self.pipeline_model_parallel_size}{vpp} "
+                f"dp={self.data_parallel_size}")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse flags (argparse exits with code 2 and its usage line on unknown flags)."""
+    return build_parser().parse_args(argv)
+
+
+def fill_defaults(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """The world-size-dependent defaults: tp=pp=2 on 8 ranks (the 3D default), else 1."""
+    three_d = world_size % 4 == 0 and world_size >= 8
+    if args.tensor_model_parallel_size is None:
+        args.tensor_model_parallel_size = 2 if three_d else 1
+    if args.pipeline_model_parallel_size is None:
+        args.pipeline_model_parallel_size = 2 if three_d else 1
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
+    """Check every size; raise :class:`ArgumentError` with a one-line message naming the numbers."""
+    tp, pp, vpp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
+        args.virtual_pipeline_model_parallel_size
+    positive = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
+                "num_attention_heads", "seq_length", "micro_batch_size", "global_batch_size", "train_iters",
+                "log_interval", "eval_interval", "eval_iters"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if world_size % (tp * pp):
+        raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
+                            f"pipeline-model-parallel-size {pp} = {tp * pp}")
+    dp = world_size // (tp * pp)
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel-size {dp} = {args.micro_batch_size * dp}")
+    if args.num_attention_heads % tp:
+        raise ArgumentError(f"num-attention-heads {args.num_attention_heads} is not divisible by "
+                            f"tensor-model-parallel-size {tp}")
+    try:
+        get_num_layers_to_build(args.num_layers, pp, vpp)
+        model_config(args).validate(tp, pp * (vpp or 1))
+    except ValueError as e:
+        raise ArgumentError(str(e).replace("_", "-")) from None
+    if args.data_path is not None and not os.path.exists(args.data_path):
+        raise ArgumentError(f"--data-path {args.data_path}: no such file or directory")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if not 0.0 < args.valid_fraction < 1.0:
+        raise ArgumentError(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
+    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
+
+
+def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
+    """The :class:`GPTConfig` the flags describe."""
+    return GPTConfig(
+        vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        sequence_parallel=args.sequence_parallel,
+        recompute_granularity="full" if args.recompute_activations else None, bf16=args.bf16)

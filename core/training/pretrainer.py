@@ -1,0 +1,230 @@
+"""``Pretrainer``: the GPT pretraining loop of ``launch/pretrain.py`` as a reusable object.
+
+One training iteration is one jitted ``shard_map`` program (DDP's fused step): the pipeline
+schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping and the
+(distributed) optimizer. The data order is a pure function of ``--seed`` and the number of
+consumed samples, parameters and optimizer state live in the checkpoint, and nothing else is
+random (no dropout), so resuming reproduces the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from core import checkpointing
+from core.data import ByteTokenizer, DataParallelSampler, build_train_valid_datasets, get_batch, load_corpus
+from core.data.text_dataset import unigram_entropy
+from core.distributed.distributed_data_parallel import DistributedDataParallel
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.models.gpt import GPTModel
+from core.optimizer.optimizer_config import OptimizerConfig
+from core.parallel_state import ParallelState
+from core.training.arguments import ParallelLayout, model_config
+from core.training.train_logging import TrainingLogger, measure_matmul_peak, memory_per_device_bytes
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (NaN loss, unusable checkpoint); reported as one line."""
+
+
+def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
+    """Megatron's schedule: linear warm-up to ``--lr``, then constant/linear/cosine decay to ``--min-lr``."""
+    decay_iters = max(1, (args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters)
+    if args.lr_decay_style == "constant":
+        decay = optax.constant_schedule(args.lr)
+    elif args.lr_decay_style == "linear":
+        decay = optax.linear_schedule(args.lr, args.min_lr, decay_iters)
+    else:
+        decay = optax.cosine_decay_schedule(args.lr, decay_iters, alpha=args.min_lr / args.lr if args.lr else 0.0)
+    if args.lr_warmup_iters <= 0:
+        return decay
+    warmup = optax.linear_schedule(args.lr / args.lr_warmup_iters, args.lr, args.lr_warmup_iters - 1)
+    return optax.join_schedules([warmup, decay], [args.lr_warmup_iters])
+
+
+class Pretrainer:
+    """Model, DDP, optimizer, data and checkpoints of one GPT pretraining run."""
+
+    def __init__(self, args: argparse.Namespace, layout: ParallelLayout, state: ParallelState,
+                 logger: TrainingLogger | None = None):
+        self.args, self.layout, self.state = args, layout, state
+        self.config = model_config(args, ByteTokenizer.vocab_size)
+        self.model = GPTModel(self.config, state)
+        self.schedule = learning_rate_schedule(args)
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+            grad_reduce_in_fp32=True, check_for_nan_in_grad=True)
+        optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                                    adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
+        self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
+        self.logger = logger
+        self._load_data()
+        self.iteration = 0
+        self.params = self.ddp.init(jax.random.key(args.seed),
+                                    jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
+        self.opt_state = self.ddp.init_optimizer(self.params)
+        m = layout.num_microbatches
+        fb = self.model.ddp_forward_backward(m) if layout.pipeline_model_parallel_size > 1 else None
+        self.train_step = self.ddp.make_train_step(None if fb else self.model.loss_fn, m, forward_backward=fb)
+        self.eval_step = self._make_eval_step()
+
+    # -- data ------------------------------------------------------------------------------
+    def _load_data(self) -> None:
+        text, self.corpus_description = load_corpus(self.args.data_path)
+        tokens = ByteTokenizer().encode(text)
+        self.unigram_entropy = unigram_entropy(tokens, ByteTokenizer.vocab_size)
+        self.train_data, self.valid_data = build_train_valid_datasets(tokens, self.args.seq_length,
+                                                                      self.args.valid_fraction)
+        # Every process builds the same global batch; each device keeps its data-parallel rows.
+        self.sampler = DataParallelSampler(num_samples=len(self.train_data),
+                                           micro_batch_size=self.args.micro_batch_size, data_parallel_rank=0,
+                                           data_parallel_size=1, seed=self.args.seed)
+        self.batch_sharding = NamedSharding(self.state.mesh, P(self.state.data_parallel_axis_name))
+
+    def _to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+                for k, v in batch.items()}
+
+    def next_train_batch(self) -> dict[str, jax.Array]:
+        """The next global batch (advances the sampler's consumed samples)."""
+        return self._to_global(get_batch(self.train_data, self.sampler.next_global_batch(self.args.global_batch_size)))
+
+    def valid_batch(self, i: int) -> dict[str, jax.Array]:
+        """Validation batch ``i`` (a fixed set, the same at every evaluation)."""
+        g = self.args.global_batch_size
+        return self._to_global(get_batch(self.valid_data, np.arange(i * g, (i + 1) * g) % len(self.valid_data)))
+
+    # -- steps -----------------------------------------------------------------------------
+    def _make_eval_step(self):
+        m, dp_axes = self.layout.num_microbatches, self.state.data_parallel_axis_name
+        fn = lambda p, b: lax.pmean(self.model.eval_loss(p, b, m), dp_axes)
+        return jax.jit(jax.shard_map(fn, mesh=self.state.mesh, in_specs=(self.ddp.param_specs, P(dp_axes)),
+                                     out_specs=P(), check_vma=False))
+
+    def evaluate(self) -> float:
+        """Mean validation loss over ``--eval-iters`` batches."""
+        return float(np.mean([float(self.eval_step(self.params, self.valid_batch(i)))
+                              for i in range(self.args.eval_iters)]))
+
+    def step(self) -> dict[str, Any]:
+        """One training iteration; returns its metrics record (host values)."""
+        batch = self.next_train_batch()
+        t = time.perf_counter()
+        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
+        loss = float(metrics["loss"])  # blocks: the step time includes the whole step
+        elapsed = time.perf_counter() - t
+        self.iteration += 1
+        if not math.isfinite(loss) or bool(metrics["skipped"]):
+            raise TrainingError(f"iteration {self.iteration}: loss is {loss} (NaN/Inf in the loss or gradients); "
+                                "stopping, the last checkpoint is kept")
+        tokens = self.args.global_batch_size * self.args.seq_length
+        return {"iteration": self.iteration, "consumed_samples": self.sampler.consumed_samples, "loss": loss,
+                "lr": float(self.schedule(self.iteration - 1)), "grad_norm": float(metrics["grad_norm"]),
+                "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed}
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def layout_record(self) -> dict[str, Any]:
+        """What a checkpoint's optimizer state depends on."""
+        return {"tensor_model_parallel_size": self.layout.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": self.layout.pipeline_model_parallel_size,
+                "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
+                "data_parallel_size": self.layout.data_parallel_size,
+                "use_distributed_optimizer": bool(self.args.use_distributed_optimizer),
+                "num_devices": int(self.state.mesh.devices.size)}
+
+    def save(self, directory: str) -> None:
+        """Checkpoint params, optimizer state, data position, seed and iteration (atomic)."""
+        meta = {"iteration": self.iteration, "consumed_samples": self.sampler.consumed_samples,
+                "seed": self.args.seed, "layout": self.layout_record(), "model": dataclasses.asdict(self.config)}
+        meta["model"].pop("bf16")  # numerics, not shape: may change on resume
+        checkpointing.save_checkpoint(directory, self.iteration, {"params": self.params, "opt_state": self.opt_state},
+                                      meta)
+
+    def load(self, directory: str, load_optimizer: bool = True) -> bool:
+        """Resume from the latest checkpoint in ``directory``; False if there is none yet."""
+        step = checkpointing.latest_step(directory)
+        if step is None:
+            return False
+        meta = checkpointing.load_metadata(directory, step)
+        self._check_compatible(directory, meta, load_optimizer)
+        target = {"params": self.params}
+        if load_optimizer:
+            target["opt_state"] = self.opt_state
+        restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
+        self.params = restored["params"]
+        if load_optimizer:
+            self.opt_state = restored["opt_state"]
+        self.iteration = int(meta["iteration"])
+        self.sampler.load_state_dict({"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])})
+        return True
+
+    def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool) -> None:
+        mine = dataclasses.asdict(self.config)
+        mine.pop("bf16")
+        saved = meta["model"]
+        diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in mine.items() if saved.get(k) != v
+                and k != "sequence_parallel" and k != "recompute_granularity"]
+        if diff:
+            raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
+        old, new = meta["layout"], self.layout_record()
+        if old["virtual_pipeline_model_parallel_size"] != new["virtual_pipeline_model_parallel_size"]:
+            raise TrainingError(
+                f"checkpoint {directory} was saved with virtual-pipeline-model-parallel-size "
+                f"{old['virtual_pipeline_model_parallel_size']}, now {new['virtual_pipeline_model_parallel_size']}: "
+                "the stacked layer arrays differ; resume with the same --virtual-pipeline-model-parallel-size")
+        if load_optimizer and old != new:
+            describe = lambda r: ", ".join(f"{k}={v}" for k, v in r.items())
+            raise TrainingError(
+                f"checkpoint {directory} was saved with layout ({describe(old)}), now ({describe(new)}): "
+                "the optimizer state is stored per device and cannot be loaded into another layout; pass "
+                "--no-load-optim to load only the parameters (resharded) with a fresh optimizer state")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``--train-iters`` (or ``--exit-interval``); returns the logged records."""
+        args, log = self.args, self.logger
+        peak = measure_matmul_peak()
+        flops_per_token = self.config.flops_per_token()
+        records = []
+        stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+        while self.iteration < stop:
+            record = self.step()
+            per_device = record["tokens_per_sec"] / self.state.mesh.devices.size
+            record["tflops_per_device"] = flops_per_token * per_device / 1e12
+            record["mfu"] = record["tflops_per_device"] * 1e12 / peak
+            record["memory_per_device_bytes"] = memory_per_device_bytes()
+            records.append(record)
+            if args.eval_interval and self.iteration % args.eval_interval == 0:
+                record["valid_loss"] = self.evaluate()
+            if log:
+                log.advance(record["loss"])
+                if self.iteration % args.log_interval == 0 or self.iteration == 1 or "valid_loss" in record:
+                    log.log_iteration(record, args.train_iters)
+                if "valid_loss" in record:
+                    self._log_validation(record["valid_loss"])
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                self.save(args.save)
+                if log:
+                    log.print(f" saved checkpoint at iteration {self.iteration:8d} to {args.save}")
+        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+            self.save(args.save)
+            if log:
+                log.print(f" saved checkpoint at iteration {self.iteration:8d} to {args.save}")
+        return records
+
+    def _log_validation(self, loss: float) -> None:
+        self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
+                          f"lm loss PPL: {math.exp(min(loss, 50)):.4E} | unigram entropy of the corpus: "
+                          f"{self.unigram_entropy:.4f}")

@@ -1,0 +1,95 @@
+"""Pretrain a GPT with tensor, pipeline and data parallelism: ``mpirun -n 8 python launch/pretrain.py``.
+
+Megatron's flags (``--help``); the defaults train a small byte-level GPT on the Python reference
+manual shipped with CPython, with tp=2, pp=2, dp=2 on 8 processes and tp=pp=1 in one process.
+Bad flags, a missing data path or an unusable checkpoint give one line from rank 0 and exit
+code 2 on every rank; a NaN loss stops the run with exit code 3 (the last checkpoint is kept).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+EXIT_BAD_INPUT, EXIT_TRAINING_FAILED = 2, 3
+
+
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size from the launcher's environment (no MPI call)."""
+    from core.parallel_state import mpi_world_size_from_env
+
+    world = mpi_world_size_from_env()
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var]), world
+    return 0, world
+
+
+def _fail(rank: int, code: int, message: str) -> None:
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    # os._exit: skip jax.distributed's atexit shutdown barrier, which would wait for ranks that
+    # failed the same way (every rank reaches the same verdict, so none is left waiting).
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, validate, set up the mesh, train; returns the exit code."""
+    from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
+
+    args = parse_args(argv)
+    rank, world = _rank_and_world()
+    devices_per_process = int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))
+    world *= devices_per_process
+    try:
+        layout = validate_args(fill_defaults(args, world), world)
+    except ArgumentError as e:
+        _fail(rank, EXIT_BAD_INPUT, str(e))
+    return _run(args, layout, rank)
+
+
+def _run(args, layout, rank: int) -> int:
+    import jax
+
+    if int(os.environ.get("JAX_NUM_CPU_DEVICES", "1")) > 1:
+        jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
+    from core import parallel_state as ps
+    from core.training.pretrainer import Pretrainer, TrainingError
+    from core.training.train_logging import TrainingLogger
+
+    state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                                         layout.virtual_pipeline_model_parallel_size)
+    try:
+        trainer = Pretrainer(args, layout, state)
+        resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim)
+    except (ValueError, FileNotFoundError, TrainingError) as e:
+        _fail(rank, EXIT_BAD_INPUT, str(e))
+    logger = TrainingLogger(args.train_iters, trainer.iteration, args.metrics_file, not args.no_progress_bar)
+    trainer.logger = logger
+    n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    logger.print(f"> {jax.process_count()} processes, {jax.device_count()} {jax.devices()[0].platform} devices, "
+                 f"layout {layout.describe()}, {layout.num_microbatches} microbatches of {args.micro_batch_size}")
+    logger.print(f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+                 f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {trainer.corpus_description}, "
+                 f"{len(trainer.train_data)} train / {len(trainer.valid_data)} valid samples, unigram entropy "
+                 f"{trainer.unigram_entropy:.4f} nats")
+    if resumed:
+        logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
+    try:
+        records = trainer.train()
+    except TrainingError as e:
+        logger.close()
+        _fail(rank, EXIT_TRAINING_FAILED, str(e))
+    logger.close()
+    if records:
+        last = records[-1]
+        logger.print(f"> done: iteration {trainer.iteration}, loss {last['loss']:.4f}, "
+                     f"validation loss {trainer.evaluate():.4f}, unigram entropy {trainer.unigram_entropy:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
