@@ -52,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, layout, rank: int) -> int:
+    if rank != 0:
+        # Logs are rank 0's job; gloo also prints connection chatter to C-level stdout on every
+        # rank. stderr stays, so a crash on any rank is still reported.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
     import jax
 
     if int(os.environ.get("JAX_NUM_CPU_DEVICES", "1")) > 1:

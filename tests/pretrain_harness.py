@@ -1,0 +1,42 @@
+"""Run a few GPT pretraining iterations in-process for a given layout (both test levels)."""
+
+import jax
+
+from core import parallel_state as ps
+from core.training.arguments import parse_args, validate_args
+from core.training.pretrainer import Pretrainer
+
+# A model small enough to compile and run 10 iterations in seconds on 2 cores.
+TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "2",
+        "--eval-interval", "1000", "--no-progress-bar"]
+
+
+def layout_losses(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple = ()) -> list[float]:
+    """Losses of ``iters`` iterations with tp x pp (dp = the rest of ``devices``)."""
+    args = parse_args(TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+                              "--train-iters", str(iters), *extra])
+    layout = validate_args(args, len(devices))
+    state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size, devices=devices)
+    trainer = Pretrainer(args, layout, state)
+    return [trainer.step()["loss"] for _ in range(iters)]
+
+
+def reference_losses(iters: int = 10) -> list[float]:
+    """The same run on one device of this process."""
+    return layout_losses(1, 1, [jax.local_devices()[0]], iters)
+
+
+# (tp, pp, extra flags): every layout of 8 devices the issue names, with and without the
+# distributed optimizer and sequence parallelism, plus interleaving.
+LAYOUTS = [
+    (1, 1, ()),
+    (1, 1, ("--use-distributed-optimizer",)),
+    (2, 2, ()),
+    (2, 2, ("--use-distributed-optimizer", "--sequence-parallel")),
+    (2, 1, ("--sequence-parallel",)),
+    (2, 1, ("--use-distributed-optimizer",)),
+    (1, 4, ()),
+    (1, 4, ("--use-distributed-optimizer", "--overlap-grad-reduce")),
+    (2, 2, ("--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel")),
+]
