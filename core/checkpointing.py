@@ -253,8 +253,14 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: A
     abstract = jax.tree.map(_abstract, target)
     saved = ocp.StandardCheckpointHandler().metadata(epath.Path(_step_dir(directory, step)) / STATE_ITEM)
     check_against_saved(abstract, saved.tree, partial)
-    restore = ocp.args.StandardRestore(abstract, strict=not partial)
-    args = ocp.args.Composite(**{STATE_ITEM: restore, META_ITEM: ocp.args.JsonRestore()})
+    if partial:
+        # StandardRestore cannot leave saved entries out; the PyTree handler reads the same files.
+        path = epath.Path(_step_dir(directory, step))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        state = ocp.PyTreeCheckpointHandler().restore(path / STATE_ITEM, args=ocp.args.PyTreeRestore(
+            abstract, restore_args=restore_args, partial_restore=True))
+        return state, load_metadata(directory, step)
+    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
     options = ocp.CheckpointManagerOptions(read_only=True, create=False)
     with ocp.CheckpointManager(directory, options=options) as manager:
         restored = manager.restore(step, args=args)

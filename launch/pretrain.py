@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,6 +31,9 @@ def _rank_and_world() -> tuple[int, int]:
 def _fail(rank: int, code: int, message: str) -> None:
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        # mpirun tears the job down at the first non-zero exit: let rank 0 print its line first.
+        time.sleep(2.0)
     # os._exit: skip jax.distributed's atexit shutdown barrier, which would wait for ranks that
     # failed the same way (every rank reaches the same verdict, so none is left waiting).
     sys.stdout.flush()

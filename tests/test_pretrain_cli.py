@@ -1,0 +1,127 @@
+"""``launch/pretrain.py`` as users run it: ``mpirun -n N python launch/pretrain.py ...``.
+
+Real processes (spawned from the single-process level): the default run learns, bad input
+fails fast with one line from rank 0, a killed run resumes with identical losses, NaN stops.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRETRAIN = str(ROOT / "launch" / "pretrain.py")
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--no-progress-bar", "--log-interval", "1",
+         "--eval-interval", "1000"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    if os.getuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def _mpirun(n):
+    return ["mpirun", "--oversubscribe", "-x", "XLA_FLAGS", "-n", str(n), sys.executable, PRETRAIN]
+
+
+def _run(n, flags, timeout=600):
+    return subprocess.run(_mpirun(n) + flags, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def _losses(path):
+    return {r["iteration"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if "loss" in r}
+
+
+def test_help_lists_megatron_flags():
+    out = subprocess.run([sys.executable, PRETRAIN, "--help"], capture_output=True, text=True, env=_env()).stdout
+    for flag in ["--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--virtual-pipeline-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+                 "--overlap-grad-reduce", "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
+                 "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--min-lr",
+                 "--lr-warmup-iters", "--lr-decay-style", "--weight-decay", "--clip-grad", "--seed", "--bf16",
+                 "--data-path", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters",
+                 "--log-interval", "--metrics-file"]:
+        assert flag in out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tensor-model-parallel-size", "3"], "world size 8 is not divisible by tensor-model-parallel-size 3"),
+    (["--global-batch-size", "12"], "global-batch-size 12 is not divisible by micro-batch-size 4 x data-parallel"),
+    (["--data-path", "/nonexistent/corpus.txt"], "--data-path /nonexistent/corpus.txt: no such file or directory"),
+    (["--num-attention-heads", "3", "--hidden-size", "96"], "num-attention-heads 3 is not divisible by "
+                                                           "tensor-model-parallel-size 2"),
+    (["--num-layers", "3"], "num-layers 3 is not divisible by pipeline-model-parallel-size 2"),
+], ids=["world", "batch", "data", "heads", "layers"])
+def test_bad_input_one_line_nonzero_exit_fast(flags, message):
+    start = time.monotonic()
+    result = _run(8, flags, timeout=120)
+    assert time.monotonic() - start < 60
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr  # rank 0 only
+    assert message in errors[0]
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_default_run_learns_below_unigram_entropy(tmp_path):
+    """The default job (tp=2, pp=2, dp=2 under mpirun -n 8, 100 iterations)."""
+    metrics = tmp_path / "metrics.jsonl"
+    result = _run(8, ["--metrics-file", str(metrics), "--no-progress-bar"], timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "layout tp=2 pp=2 dp=2" in result.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for key in ["iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"]:
+        assert key in records[-1]
+    assert records[-1]["iteration"] == 100
+    entropy = float(result.stdout.split("unigram entropy ")[-1].split()[0])
+    valid = [r["valid_loss"] for r in records if "valid_loss" in r]
+    assert valid[-1] < entropy - 0.5, (valid, entropy)
+    assert records[-1]["loss"] < entropy - 0.3
+
+
+def test_killed_run_resumes_with_identical_losses(tmp_path):
+    """Kill (SIGKILL) a run after its first checkpoint; --load continues the uninterrupted curve."""
+    flags = SMALL + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
+                     "--use-distributed-optimizer", "--train-iters", "12"]
+    full = _run(4, flags + ["--metrics-file", str(tmp_path / "full.jsonl")])
+    flags += ["--save-interval", "3"]
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(_mpirun(4) + flags + ["--save", str(ckpt), "--metrics-file", str(tmp_path / "a.jsonl")],
+                            env=_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while not (ckpt / "3" / "commit_success.txt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = _run(4, flags + ["--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(tmp_path / "b.jsonl")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    start = int(resumed.stdout.split("resumed from")[1].split("iteration")[1].split()[0])
+    assert start in (3, 6, 9), start  # killed mid-run, resumed from a checkpoint before the end
+    after = _losses(tmp_path / "b.jsonl")
+    assert sorted(after) == list(range(start + 1, 13))
+    reference = _losses(tmp_path / "full.jsonl")
+    assert {i: reference[i] for i in after} == after  # bit-identical
+
+
+def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
+    from core.checkpointing import latest_step
+
+    ckpt = tmp_path / "ckpt"
+    result = _run(2, SMALL + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                              "--lr", "1e30", "--lr-warmup-iters", "0", "--train-iters", "10", "--save", str(ckpt),
+                              "--save-interval", "1"])
+    assert result.returncode == 3
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "iteration 2: loss is nan" in errors[0], result.stderr
+    assert latest_step(str(ckpt)) == 1
