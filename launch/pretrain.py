@@ -42,6 +42,9 @@ def _fail(rank: int, code: int, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate, set up the mesh, train; returns the exit code."""
+    from core.cpu_threads import configure_xla_cpu_threads
+
+    configure_xla_cpu_threads()  # before JAX starts its CPU backend
     from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
 
     args = parse_args(argv)
@@ -81,10 +84,11 @@ def _run(args, layout, rank: int) -> int:
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     logger.print(f"> {jax.process_count()} processes, {jax.device_count()} {jax.devices()[0].platform} devices, "
                  f"layout {layout.describe()}, {layout.num_microbatches} microbatches of {args.micro_batch_size}")
+    data = trainer.data
     logger.print(f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-                 f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {trainer.corpus_description}, "
-                 f"{len(trainer.train_data)} train / {len(trainer.valid_data)} valid samples, unigram entropy "
-                 f"{trainer.unigram_entropy:.4f} nats")
+                 f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {data.corpus_description}, "
+                 f"{len(data.train_data)} train / {len(data.valid_data)} valid samples, unigram entropy "
+                 f"{data.unigram_entropy:.4f} nats")
     if resumed:
         logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
     try:
@@ -96,7 +100,7 @@ def _run(args, layout, rank: int) -> int:
     if records:
         last = records[-1]
         logger.print(f"> done: iteration {trainer.iteration}, loss {last['loss']:.4f}, "
-                     f"validation loss {trainer.evaluate():.4f}, unigram entropy {trainer.unigram_entropy:.4f}")
+                     f"validation loss {trainer.evaluate():.4f}, unigram entropy {trainer.data.unigram_entropy:.4f}")
     return 0
 
 

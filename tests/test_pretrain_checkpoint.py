@@ -38,7 +38,7 @@ def test_same_layout_resumes_exactly(saved):
     directory, later = saved
     b = _trainer(2, 2, "--use-distributed-optimizer")
     assert b.load(directory)
-    assert b.iteration == 3 and b.sampler.consumed_samples == 3 * 16
+    assert b.iteration == 3 and b.data.sampler.consumed_samples == 3 * 16
     assert [b.step()["loss"] for _ in range(3)] == later
 
 

@@ -37,6 +37,21 @@ def _run(n, flags, timeout=600):
     return subprocess.run(_mpirun(n) + flags, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
 
 
+def _kill_session(sid):
+    """SIGKILL every process of session ``sid`` (mpirun and the ranks it forked, which it puts in
+    their own process groups, so ``killpg`` alone would leave them running)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
+            try:
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _losses(path):
     return {r["iteration"]: r["loss"] for r in map(json.loads, Path(path).read_text().splitlines()) if "loss" in r}
 
@@ -102,7 +117,7 @@ def test_killed_run_resumes_with_identical_losses(tmp_path):
     deadline = time.monotonic() + 600
     while not (ckpt / "3" / "commit_success.txt").exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
+    _kill_session(proc.pid)
     proc.wait()
     resumed = _run(4, flags + ["--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(tmp_path / "b.jsonl")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -54,6 +54,34 @@ def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [args.lr_warmup_iters])
 
 
+class PretrainingData:
+    """Corpus, train/valid split and the global batches of a run (the same on every process;
+    each device keeps its data-parallel rows of a global batch)."""
+
+    def __init__(self, args: argparse.Namespace, state: ParallelState):
+        self.args = args
+        text, self.corpus_description = load_corpus(args.data_path)
+        tokens = ByteTokenizer().encode(text)
+        self.unigram_entropy = unigram_entropy(tokens, ByteTokenizer.vocab_size)
+        self.train_data, self.valid_data = build_train_valid_datasets(tokens, args.seq_length, args.valid_fraction)
+        self.sampler = DataParallelSampler(num_samples=len(self.train_data), micro_batch_size=args.micro_batch_size,
+                                           data_parallel_rank=0, data_parallel_size=1, seed=args.seed)
+        self.batch_sharding = NamedSharding(state.mesh, P(state.data_parallel_axis_name))
+
+    def _to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+                for k, v in batch.items()}
+
+    def next_train_batch(self) -> dict[str, jax.Array]:
+        """The next global batch (advances the sampler's consumed samples)."""
+        return self._to_global(get_batch(self.train_data, self.sampler.next_global_batch(self.args.global_batch_size)))
+
+    def valid_batch(self, i: int) -> dict[str, jax.Array]:
+        """Validation batch ``i`` (a fixed set, the same at every evaluation)."""
+        g = self.args.global_batch_size
+        return self._to_global(get_batch(self.valid_data, np.arange(i * g, (i + 1) * g) % len(self.valid_data)))
+
+
 class Pretrainer:
     """Model, DDP, optimizer, data and checkpoints of one GPT pretraining run."""
 
@@ -70,7 +98,7 @@ class Pretrainer:
                                     adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
         self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
         self.logger = logger
-        self._load_data()
+        self.data = PretrainingData(args, state)
         self.iteration = 0
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
@@ -79,32 +107,6 @@ class Pretrainer:
         fb = self.model.ddp_forward_backward(m) if layout.pipeline_model_parallel_size > 1 else None
         self.train_step = self.ddp.make_train_step(None if fb else self.model.loss_fn, m, forward_backward=fb)
         self.eval_step = self._make_eval_step()
-
-    # -- data ------------------------------------------------------------------------------
-    def _load_data(self) -> None:
-        text, self.corpus_description = load_corpus(self.args.data_path)
-        tokens = ByteTokenizer().encode(text)
-        self.unigram_entropy = unigram_entropy(tokens, ByteTokenizer.vocab_size)
-        self.train_data, self.valid_data = build_train_valid_datasets(tokens, self.args.seq_length,
-                                                                      self.args.valid_fraction)
-        # Every process builds the same global batch; each device keeps its data-parallel rows.
-        self.sampler = DataParallelSampler(num_samples=len(self.train_data),
-                                           micro_batch_size=self.args.micro_batch_size, data_parallel_rank=0,
-                                           data_parallel_size=1, seed=self.args.seed)
-        self.batch_sharding = NamedSharding(self.state.mesh, P(self.state.data_parallel_axis_name))
-
-    def _to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
-                for k, v in batch.items()}
-
-    def next_train_batch(self) -> dict[str, jax.Array]:
-        """The next global batch (advances the sampler's consumed samples)."""
-        return self._to_global(get_batch(self.train_data, self.sampler.next_global_batch(self.args.global_batch_size)))
-
-    def valid_batch(self, i: int) -> dict[str, jax.Array]:
-        """Validation batch ``i`` (a fixed set, the same at every evaluation)."""
-        g = self.args.global_batch_size
-        return self._to_global(get_batch(self.valid_data, np.arange(i * g, (i + 1) * g) % len(self.valid_data)))
 
     # -- steps -----------------------------------------------------------------------------
     def _make_eval_step(self):
@@ -115,12 +117,12 @@ class Pretrainer:
 
     def evaluate(self) -> float:
         """Mean validation loss over ``--eval-iters`` batches."""
-        return float(np.mean([float(self.eval_step(self.params, self.valid_batch(i)))
+        return float(np.mean([float(self.eval_step(self.params, self.data.valid_batch(i)))
                               for i in range(self.args.eval_iters)]))
 
     def step(self) -> dict[str, Any]:
         """One training iteration; returns its metrics record (host values)."""
-        batch = self.next_train_batch()
+        batch = self.data.next_train_batch()
         t = time.perf_counter()
         self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
         loss = float(metrics["loss"])  # blocks: the step time includes the whole step
@@ -130,7 +132,7 @@ class Pretrainer:
             raise TrainingError(f"iteration {self.iteration}: loss is {loss} (NaN/Inf in the loss or gradients); "
                                 "stopping, the last checkpoint is kept")
         tokens = self.args.global_batch_size * self.args.seq_length
-        return {"iteration": self.iteration, "consumed_samples": self.sampler.consumed_samples, "loss": loss,
+        return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples, "loss": loss,
                 "lr": float(self.schedule(self.iteration - 1)), "grad_norm": float(metrics["grad_norm"]),
                 "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed}
 
@@ -146,7 +148,7 @@ class Pretrainer:
 
     def save(self, directory: str) -> None:
         """Checkpoint params, optimizer state, data position, seed and iteration (atomic)."""
-        meta = {"iteration": self.iteration, "consumed_samples": self.sampler.consumed_samples,
+        meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
                 "seed": self.args.seed, "layout": self.layout_record(), "model": dataclasses.asdict(self.config)}
         meta["model"].pop("bf16")  # numerics, not shape: may change on resume
         checkpointing.save_checkpoint(directory, self.iteration, {"params": self.params, "opt_state": self.opt_state},
@@ -167,7 +169,8 @@ class Pretrainer:
         if load_optimizer:
             self.opt_state = restored["opt_state"]
         self.iteration = int(meta["iteration"])
-        self.sampler.load_state_dict({"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])})
+        position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
+        self.data.sampler.load_state_dict(position)
         return True
 
     def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool) -> None:
@@ -227,4 +230,4 @@ class Pretrainer:
     def _log_validation(self, loss: float) -> None:
         self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
                           f"lm loss PPL: {math.exp(min(loss, 50)):.4E} | unigram entropy of the corpus: "
-                          f"{self.unigram_entropy:.4f}")
+                          f"{self.data.unigram_entropy:.4f}")
