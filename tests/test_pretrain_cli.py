@@ -140,3 +140,13 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "iteration 2: loss is nan" in errors[0], result.stderr
     assert latest_step(str(ckpt)) == 1
+
+
+def test_plain_python_single_process(tmp_path):
+    """``python launch/pretrain.py`` (no mpirun): one process, tp=pp=dp=1."""
+    metrics = tmp_path / "m.jsonl"
+    result = subprocess.run([sys.executable, PRETRAIN, "--train-iters", "5", "--log-interval", "5", "--metrics-file", str(metrics)],
+                            capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 processes, 1 cpu devices, layout tp=1 pp=1 dp=1" in result.stdout
+    assert sorted(_losses(metrics)) == [1, 5]  # logged at iteration 1 and every --log-interval
