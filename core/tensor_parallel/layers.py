@@ -42,6 +42,16 @@ def default_init_method(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp
     return jax.random.normal(key, shape, dtype) * 0.02
 
 
+def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """``x @ weight.T`` over the last dim of ``x`` (weight ``[out, in]``), as one 2-D matmul.
+
+    Flattening the leading dims first matters on CPU: XLA's weight gradient of a 3-D einsum
+    contracts two dims and runs at about half the speed of the equivalent 2-D matmul.
+    """
+    y = lax.dot_general(x.reshape(-1, x.shape[-1]), weight, (((1,), (1,)), ((), ())))
+    return y.reshape(x.shape[:-1] + (weight.shape[0],))
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split along its output dim: each tp rank computes ``Y_i``."""
 
@@ -78,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, True, self.axis_name)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.axis_name)
-        y = jnp.einsum("...i,oi->...o", x, weight)
+        y = linear(x, weight)
         b = None
         if self.bias:
             b = self.param("bias", with_parallel_metadata(nn.initializers.zeros, (self.axis_name,)),
@@ -123,7 +133,7 @@ class RowParallelLinear(nn.Module):
             (self.output_size, divide(self.input_size, tp)), self.params_dtype)
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.axis_name)
-        y = jnp.einsum("...i,oi->...o", x, weight)
+        y = linear(x, weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name)
         else:

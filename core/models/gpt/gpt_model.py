@@ -79,7 +79,7 @@ class GPTModel:
         body = lambda h, lp: (self.layer.apply({"params": lp}, h), None)
         if self.config.recompute_granularity == "full":
             body = jax.checkpoint(body)
-        return lax.scan(body, x, self._cast(chunk_layers))[0]
+        return lax.scan(body, x, self._cast(chunk_layers), unroll=self.config.unroll_layers)[0]
 
     def loss(self, shared: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
         """Last stage: final norm, output layer, mean vocabulary-parallel cross entropy."""
