@@ -69,7 +69,7 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| world | implementation | layout | step time (s) | tokens/s | peak mem/process (MiB) | "
              "vs torch DDP | vs pmean recipe |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = lambda peer: (f"{r['step_time_s'] / base[(r['world'], peer)]:.2f}x"
+        ratio = lambda peer, r=r: (f"{r['step_time_s'] / base[(r['world'], peer)]:.2f}x"
                               if (r["world"], peer) in base else "n/a")
         lines.append(f"| {r['world']} | {r['impl']} | {r['layout']} | {r['step_time_s']:.3f} | "
                      f"{r['tokens_per_sec']:.0f} | {r['peak_memory_bytes'] / 2**20:.0f} | {ratio('torch_ddp')} | "

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.cpu_threads import configure_xla_cpu_threads  # noqa: E402
+from core.cpu_threads import configure_cpu_threads  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -106,7 +106,7 @@ def pmean_step_times(a: argparse.Namespace, world: int):
 
 def main() -> None:
     """Measure and print rank 0's JSON line."""
-    threads = configure_xla_cpu_threads()
+    threads = configure_cpu_threads()
     a = _args()
     import jax
 

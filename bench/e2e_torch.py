@@ -23,9 +23,9 @@ def _setup_threads() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
 
-    from core.cpu_threads import threads_per_process
+    from core.cpu_threads import configure_cpu_threads
 
-    n = threads_per_process()
+    n = configure_cpu_threads()
     torch.set_num_threads(n)
     return n
 

@@ -1,10 +1,14 @@
-"""CPU thread counts for processes that share a host.
+"""CPU cores and thread counts for processes that share a host.
 
 ``mpirun -n 8`` on an 8-core host starts 8 processes, and by default each XLA CPU client (and
-each torch process) sizes its intra-op thread pool to *all* cores: 64 threads fighting over 8
-cores, with every collective waiting for the slowest, descheduled one. The launch path calls
-:func:`configure_xla_cpu_threads` before JAX starts its backend, giving each process
-``cores // local processes`` threads (and Eigen's single-threaded path when that is 1).
+each torch process) runs its intra-op work on *all* cores: 64 threads fighting over 8 cores,
+with every collective waiting for the slowest, descheduled one. XLA's thread-pool flags
+(``--xla_cpu_multi_thread_eigen=false``, ``intra_op_parallelism_threads``) are accepted but
+do not limit the current CPU runtime (measured: a 2048^2 matmul runs at the same 2-core speed
+with them), so the launch path pins each process to its own share of the cores
+(:func:`configure_cpu_threads`, before JAX starts its backend): local rank ``r`` of ``n`` gets
+cores ``[r*k, (r+1)*k)`` with ``k = cores // n``, or core ``r % cores`` when there are more
+processes than cores. ``MCJ_CPU_AFFINITY=0`` turns the pinning off.
 """
 
 from __future__ import annotations
@@ -35,6 +39,40 @@ def available_cores() -> int:
 def threads_per_process() -> int:
     """This process's fair share of the host's cores (at least 1)."""
     return max(1, available_cores() // local_process_count())
+
+
+def local_rank() -> int:
+    """This process's rank among the job's processes on this host (0 when unknown)."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID",
+                "LOCAL_RANK"):
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def cores_for_this_process() -> list[int]:
+    """The cores this process should run on: its share of the host's available cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(available_cores()))
+    n, r = local_process_count(), local_rank()
+    if n <= 1:
+        return cores
+    if n > len(cores):
+        return [cores[r % len(cores)]]
+    k = len(cores) // n
+    return cores[r * k:(r + 1) * k]
+
+
+def configure_cpu_threads() -> int:
+    """Pin this process to :func:`cores_for_this_process` and size thread pools to match (call
+    before JAX starts its backend). Returns the number of cores this process may use."""
+    if local_process_count() <= 1 or os.environ.get("MCJ_CPU_AFFINITY", "1") == "0":
+        return available_cores()
+    cores = cores_for_this_process()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    configure_xla_cpu_threads()
+    return len(cores)
 
 
 def configure_xla_cpu_threads() -> int:

@@ -42,9 +42,9 @@ def _fail(rank: int, code: int, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate, set up the mesh, train; returns the exit code."""
-    from core.cpu_threads import configure_xla_cpu_threads
+    from core.cpu_threads import configure_cpu_threads
 
-    configure_xla_cpu_threads()  # before JAX starts its CPU backend
+    configure_cpu_threads()  # before JAX starts its CPU backend
     from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
 
     args = parse_args(argv)
