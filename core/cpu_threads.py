@@ -5,10 +5,13 @@ each torch process) runs its intra-op work on *all* cores: 64 threads fighting o
 with every collective waiting for the slowest, descheduled one. XLA's thread-pool flags
 (``--xla_cpu_multi_thread_eigen=false``, ``intra_op_parallelism_threads``) are accepted but
 do not limit the current CPU runtime (measured: a 2048^2 matmul runs at the same 2-core speed
-with them), so the launch path pins each process to its own share of the cores
-(:func:`configure_cpu_threads`, before JAX starts its backend): local rank ``r`` of ``n`` gets
-cores ``[r*k, (r+1)*k)`` with ``k = cores // n``, or core ``r % cores`` when there are more
-processes than cores. ``MCJ_CPU_AFFINITY=0`` turns the pinning off.
+with them). :func:`configure_cpu_threads` (called by the launch path before JAX starts its
+backend) sets them anyway, with torch/OpenMP thread counts, to ``cores // local processes``,
+and with ``MCJ_CPU_AFFINITY=1`` also pins each process to its own share of the cores: local
+rank ``r`` of ``n`` gets cores ``[r*k, (r+1)*k)`` with ``k = cores // n``, or core
+``r % cores`` when there are more processes than cores. Pinning is off by default because it
+was measured to cost pipeline layouts up to 1.5x (an idle stage's core cannot help the busy
+one) while changing data-parallel steps by less than the noise (README, end-to-end benchmark).
 """
 
 from __future__ import annotations
@@ -64,15 +67,14 @@ def cores_for_this_process() -> list[int]:
 
 
 def configure_cpu_threads() -> int:
-    """Pin this process to :func:`cores_for_this_process` and size thread pools to match (call
-    before JAX starts its backend). Returns the number of cores this process may use."""
-    if local_process_count() <= 1 or os.environ.get("MCJ_CPU_AFFINITY", "1") == "0":
+    """Size thread pools to this process's share of the cores and, with ``MCJ_CPU_AFFINITY=1``,
+    pin it to :func:`cores_for_this_process` (call before JAX starts its backend). Returns the
+    thread count for this process."""
+    if local_process_count() <= 1:
         return available_cores()
-    cores = cores_for_this_process()
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cores)
-    configure_xla_cpu_threads()
-    return len(cores)
+    if os.environ.get("MCJ_CPU_AFFINITY", "0") == "1" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores_for_this_process())
+    return configure_xla_cpu_threads()
 
 
 def configure_xla_cpu_threads() -> int:
