@@ -75,9 +75,10 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     from core.training.pretrainer import PretrainingData
 
     args = parse_args(_pretrain_flags(a, world))
+    validate_args(args, world)
     state = ps.initialize_model_parallel(1, 1)
     data = PretrainingData(args, state)  # the same batches as the package
-    model = GPTModel(model_config(args, 256), state)
+    model = GPTModel(model_config(args), state)
     mesh, axes = state.mesh, state.data_parallel_axis_name
     sample = jax.numpy.zeros((args.global_batch_size // world, args.seq_length), jax.numpy.int32)
     params, specs, _ = init_sharded_params(model.init, mesh, (jax.random.key(args.seed), sample), (P(), P()))
@@ -93,7 +94,6 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     opt_specs = jax.tree.map(lambda _: P(), opt_state)
     jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, opt_specs, P(axes)),
                                    out_specs=(specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
-    validate_args(args, world)
     times = []
     for _ in range(a.warmup + a.steps):
         batch = data.next_train_batch()
@@ -125,7 +125,7 @@ def main() -> None:
     if a.peak:
         from core.training.train_logging import measure_matmul_peak
 
-        peak = measure_matmul_peak(2048)
+        peak = measure_matmul_peak()
         record["matmul_peak_flops"] = peak
         record["model_flops_per_sec"] = config.flops_per_token() * tokens / step_time / world
         record["mfu"] = record["model_flops_per_sec"] / peak

@@ -45,6 +45,7 @@ from core.optimizer.distrib_optimizer import BufferMasks, DistributedOptimizer, 
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
 from core.param_metadata import init_sharded_params
+from core.pipeline_parallel.utils import split_microbatches
 
 LossFn = Callable[[Any, Any], jax.Array]
 ForwardBackwardFn = Callable[[Any, Any], tuple[Any, jax.Array, jax.Array]]
@@ -204,7 +205,7 @@ class DistributedDataParallel:
         """Accumulated local grads, summed loss and token count over the microbatches."""
         grad_dtype = jnp.float32 if self.ddp_config.grad_reduce_in_fp32 else None
         m = num_microbatches
-        mbs = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
+        mbs = split_microbatches(batch, m)
 
         def one(mb):
             if per_token_loss:

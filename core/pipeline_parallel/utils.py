@@ -1,6 +1,17 @@
-"""Layer partitioning over pipeline stages (Megatron's ``get_num_layers_to_build`` / layer offset)."""
+"""Layer partitioning over pipeline stages (Megatron's ``get_num_layers_to_build`` / layer offset)
+and splitting a batch into microbatches."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> Any:
+    """Every ``[b, ...]`` leaf of ``batch`` as ``[num_microbatches, b / num_microbatches, ...]``."""
+    m = num_microbatches
+    return jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
 
 
 def get_num_layers_to_build(num_layers: int, pipeline_model_parallel_size: int,

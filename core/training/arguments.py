@@ -131,10 +131,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel-size {dp} = {args.micro_batch_size * dp}")
-    if args.num_attention_heads % tp:
-        raise ArgumentError(f"num-attention-heads {args.num_attention_heads} is not divisible by "
-                            f"tensor-model-parallel-size {tp}")
-    try:
+    try:  # heads, vocabulary, layers, SP sequence: the messages name the flags
         get_num_layers_to_build(args.num_layers, pp, vpp)
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:

@@ -137,6 +137,14 @@ class Pretrainer:
                 "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed}
 
     # -- checkpoints -----------------------------------------------------------------------
+    def model_record(self) -> dict[str, Any]:
+        """The model fields a checkpoint must match: those that shape the parameters (numerics
+        and execution choices such as bf16, SP or recompute may change on resume)."""
+        record = dataclasses.asdict(self.config)
+        for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers"):
+            record.pop(field)
+        return record
+
     def layout_record(self) -> dict[str, Any]:
         """What a checkpoint's optimizer state depends on."""
         return {"tensor_model_parallel_size": self.layout.tensor_model_parallel_size,
@@ -149,8 +157,7 @@ class Pretrainer:
     def save(self, directory: str) -> None:
         """Checkpoint params, optimizer state, data position, seed and iteration (atomic)."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, "layout": self.layout_record(), "model": dataclasses.asdict(self.config)}
-        meta["model"].pop("bf16")  # numerics, not shape: may change on resume
+                "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record()}
         checkpointing.save_checkpoint(directory, self.iteration, {"params": self.params, "opt_state": self.opt_state},
                                       meta)
 
@@ -174,11 +181,8 @@ class Pretrainer:
         return True
 
     def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool) -> None:
-        mine = dataclasses.asdict(self.config)
-        mine.pop("bf16")
         saved = meta["model"]
-        diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in mine.items() if saved.get(k) != v
-                and k != "sequence_parallel" and k != "recompute_granularity"]
+        diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items() if saved.get(k) != v]
         if diff:
             raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
         old, new = meta["layout"], self.layout_record()
@@ -218,14 +222,15 @@ class Pretrainer:
                 if "valid_loss" in record:
                     self._log_validation(record["valid_loss"])
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                self.save(args.save)
-                if log:
-                    log.print(f" saved checkpoint at iteration {self.iteration:8d} to {args.save}")
+                self._save_and_log()
         if args.save and (not args.save_interval or self.iteration % args.save_interval):
-            self.save(args.save)
-            if log:
-                log.print(f" saved checkpoint at iteration {self.iteration:8d} to {args.save}")
+            self._save_and_log()  # the final state, unless the interval just saved it
         return records
+
+    def _save_and_log(self) -> None:
+        self.save(self.args.save)
+        if self.logger:
+            self.logger.print(f" saved checkpoint at iteration {self.iteration:8d} to {self.args.save}")
 
     def _log_validation(self, loss: float) -> None:
         self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 
-def measure_matmul_peak(n: int = 1024, repeats: int = 5) -> float:
+def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
     """Dense fp32 matmul FLOP/s of this process's first device (best of ``repeats``).
 
     Measured in the same process as the training, so with several processes per host it is

@@ -33,6 +33,7 @@ from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, TransformerL
 from core.parallel_state import PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
+from core.pipeline_parallel.utils import split_microbatches
 
 
 class GPTModel:
@@ -128,7 +129,7 @@ class GPTModel:
         Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage.
         """
         m = num_microbatches
-        mbs = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
+        mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
         losses, g_chunks, g_shared, _ = execute_stages(
             self._stage_step(mbs["tokens"].shape[1]), mbs, params["layers"], shared, num_model_chunks=self.vpp,
@@ -150,9 +151,7 @@ class GPTModel:
         """Mean loss of this rank's local batch (forward only; inside ``shard_map``)."""
         if self.pp > 1:
             return self.forward_backward(params, batch, num_microbatches, forward_only=True)[1]
-        m = num_microbatches
-        mbs = jax.tree.map(lambda a: a.reshape((m, a.shape[0] // m) + a.shape[1:]), batch)
-        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), mbs))
+        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), split_microbatches(batch, num_microbatches)))
 
 
 def _is_box(x: Any) -> bool:
