@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.models.gpt.causal_attention import causal_attention
 from core.models.gpt.gpt_config import GPTConfig
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel import (
@@ -49,26 +50,6 @@ def apply_rotary(x: jax.Array, base: float) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int = 64) -> jax.Array:
-    """Causal softmax attention on ``[b, heads, s, d]``, skipping the blocks above the diagonal.
-
-    Query block ``i`` only meets key blocks ``0..i`` (about half the FLOPs of the full score
-    matrix, as flash attention's causal skipping), softmax in float32. Unrolled over the
-    ``s / block_size`` query blocks; plain XLA ops, so it runs on any backend.
-    """
-    s, d = q.shape[-2], q.shape[-1]
-    bs = block_size if s % block_size == 0 and s > block_size else s
-    scale = 1.0 / float(d) ** 0.5
-    outs = []
-    for i in range(s // bs):
-        end = (i + 1) * bs
-        scores = jnp.einsum("bnqd,bnkd->bnqk", q[:, :, i * bs:end], k[:, :, :end]).astype(jnp.float32) * scale
-        allowed = jnp.arange(i * bs, end)[:, None] >= jnp.arange(end)[None, :]
-        probs = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bnqk,bnkd->bnqd", probs, v[:, :, :end]))
-    return jnp.concatenate(outs, axis=2)
 
 
 class ParallelAttention(nn.Module):
