@@ -138,4 +138,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from core.cpu_malloc import reexec_with_malloc_settings
+
+    reexec_with_malloc_settings()  # the package's launch path does the same
     main()

@@ -105,4 +105,7 @@ def _run(args, layout, rank: int) -> int:
 
 
 if __name__ == "__main__":
+    from core.cpu_malloc import reexec_with_malloc_settings
+
+    reexec_with_malloc_settings()  # once, before MPI and JAX start: glibc reads them at start-up
     sys.exit(main())
