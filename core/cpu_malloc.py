@@ -16,7 +16,6 @@ Needs glibc >= 2.35 and the kernel's THP mode ``madvise`` or ``always``; elsewhe
 from __future__ import annotations
 
 import os
-import platform
 import sys
 from collections.abc import Mapping
 
@@ -35,13 +34,23 @@ def malloc_settings_update(environ: Mapping[str, str]) -> dict[str, str]:
     return {"GLIBC_TUNABLES": f"{current}:{TUNABLE}" if current else TUNABLE}
 
 
+def is_glibc_linux() -> bool:
+    """Whether this process runs on Linux with glibc (asks libc; no scan of the interpreter binary)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (ValueError, OSError):
+        return False
+
+
 def reexec_with_malloc_settings() -> None:
     """Re-execute this Python process with :data:`TUNABLE` added when it is missing.
 
     A no-op off glibc Linux, when opted out, or when the settings are already present (so it
     re-executes at most once). Call first thing in a launch script: the process image is replaced.
     """
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if not is_glibc_linux():
         return
     update = malloc_settings_update(os.environ)
     if not update:

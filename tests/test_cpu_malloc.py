@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 
 import pytest
 
-from core.cpu_malloc import OPT_OUT_VAR, TUNABLE, malloc_settings_update
+from core.cpu_malloc import OPT_OUT_VAR, TUNABLE, is_glibc_linux, malloc_settings_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = f"""
@@ -41,7 +40,7 @@ def _run(tmp_path, extra_env: dict[str, str]) -> tuple[list[str], dict]:
     return out[:-1], json.loads(out[-1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.skipif(not is_glibc_linux(), reason="glibc only")
 def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path):
     before, result = _run(tmp_path, {})
     assert before == ["start", "start"]  # ran twice: the original and the re-executed image

@@ -40,13 +40,17 @@ def _blocks(s: int, bs: int):
         yield slice(i * bs, end), end, jnp.arange(i * bs, end)[:, None] >= jnp.arange(end)[None, :]
 
 
+def _scores(q: jax.Array, k: jax.Array, rows: slice, end: int) -> jax.Array:
+    """Scaled float32 scores ``[c, block, end]`` of query rows ``rows`` against keys ``0..end``."""
+    scale = 1.0 / float(q.shape[-1]) ** 0.5
+    return jnp.einsum("cqd,ckd->cqk", q[:, rows], k[:, :end]).astype(jnp.float32) * scale
+
+
 def _chunk_forward(q: jax.Array, k: jax.Array, v: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
     """One chunk ``[c, s, d]``: the output and the float32 row log-sum-exp ``[c, s]``."""
-    scale = 1.0 / float(q.shape[-1]) ** 0.5
     outs, lses = [], []
     for rows, end, allowed in _blocks(q.shape[1], bs):
-        scores = jnp.einsum("cqd,ckd->cqk", q[:, rows], k[:, :end]).astype(jnp.float32) * scale
-        scores = jnp.where(allowed, scores, -jnp.inf)
+        scores = jnp.where(allowed, _scores(q, k, rows, end), -jnp.inf)
         m = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - m)
         total = jnp.sum(p, axis=-1, keepdims=True)
@@ -62,8 +66,7 @@ def _chunk_backward(q, k, v, out, lse, d_out, bs: int):
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # rowsum(dO * O)
     dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for rows, end, allowed in _blocks(q.shape[1], bs):
-        scores = jnp.einsum("cqd,ckd->cqk", q[:, rows], k[:, :end]).astype(jnp.float32) * scale
-        p = jnp.where(allowed, jnp.exp(scores - lse[:, rows, None]), 0.0)
+        p = jnp.where(allowed, jnp.exp(_scores(q, k, rows, end) - lse[:, rows, None]), 0.0)
         do = d_out[:, rows]
         dv = dv.at[:, :end].add(jnp.einsum("cqk,cqd->ckd", p.astype(do.dtype), do).astype(jnp.float32))
         dp = jnp.einsum("cqd,ckd->cqk", do, v[:, :end]).astype(jnp.float32)
