@@ -5,7 +5,8 @@
   the rest of the world;
 * ``--impl pmean``: the classic tutorial recipe on the same model, one process per device: a
   ``shard_map`` step that ``lax.pmean``-s every gradient leaf over the data axis, then
-  global-norm clipping and optax AdamW.
+  global-norm clipping and optax AdamW (``--no-grad-reduction`` drops the ``pmean``: what the
+  step costs without communication; the replicas then drift apart, so it is a timing probe).
 
 Both train the same GPT (``--layers/--hidden/--heads/--seq``, vocabulary 256) with the same
 global batch on the same data; the step time is the median of ``--steps`` after ``--warmup``.
@@ -34,6 +35,8 @@ def _args() -> argparse.Namespace:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--peak", action="store_true", help="also measure the matmul peak and MFU")
+    p.add_argument("--no-grad-reduction", action="store_true",
+                   help="pmean only: skip the gradient pmean (the step's cost without communication)")
     return p.parse_args()
 
 
@@ -87,7 +90,8 @@ def pmean_step_times(a: argparse.Namespace, world: int):
 
     def step(p, o, batch):
         loss, grads = jax.value_and_grad(model.loss_fn)(p, batch)
-        grads = jax.tree.map(lambda g: lax.pmean(g, axes), grads)
+        if not a.no_grad_reduction:
+            grads = jax.tree.map(lambda g: lax.pmean(g, axes), grads)
         updates, o = tx.update(grads, o, p)
         return optax.apply_updates(p, updates), o, lax.pmean(loss, axes)
 
