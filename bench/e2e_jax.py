@@ -37,7 +37,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--peak", action="store_true", help="also measure the matmul peak and MFU")
     p.add_argument("--no-grad-reduction", action="store_true",
                    help="pmean only: skip the gradient pmean (the step's cost without communication)")
-    return p.parse_args()
+    a = p.parse_args()
+    if a.no_grad_reduction and a.impl != "pmean":
+        p.error("--no-grad-reduction applies to --impl pmean only")
+    return a
 
 
 def _pretrain_flags(a: argparse.Namespace, world: int) -> list[str]:
