@@ -10,7 +10,13 @@ from tp_harness import dense_parallel_mlp
 from core import parallel_state as ps
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
 from core.param_metadata import init_sharded_params
-from core.tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
+from core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    linear,
+)
 
 S, B, H, F, V = 8, 2, 16, 32, 24
 TPS = [1, 2, 4, 8]
@@ -156,3 +162,17 @@ def test_parallel_mlp_dropout_is_layout_independent(tp, sequence_parallel):
         runs[t] = jax.tree.map(np.asarray, fn(params, jnp.asarray(x), jnp.asarray(cot)))
     assert 0.2 < float(np.mean((runs[1][0] - x) == 0)) < 0.4  # about 30 % of the block output dropped
     _check(runs[tp], runs[1])
+
+
+@pytest.mark.parametrize("in_features, out_features", [(24, 8), (8, 24), (16, 16)])
+def test_linear_gradients_equal_plain_matmul(in_features, out_features):
+    """``linear``'s hand-written VJP (either operand transposed first) equals autodiff of ``x @ w.T``."""
+    kx, kw, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (5, 3, in_features))
+    w = jax.random.normal(kw, (out_features, in_features))
+    cot = jax.random.normal(kg, (5, 3, out_features))
+    grads = lambda f: jax.jit(jax.vjp(f, x, w)[1])(cot)
+    dx, dw = grads(linear)
+    dx_ref, dw_ref = grads(lambda x, w: jnp.einsum("sbi,oi->sbo", x, w))
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
