@@ -10,12 +10,12 @@ from tp_harness import dense_parallel_mlp
 from core import parallel_state as ps
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
 from core.param_metadata import init_sharded_params
+from core.tensor_parallel.fast_vjp import gelu, linear
 from core.tensor_parallel.layers import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
     VocabParallelEmbedding,
-    linear,
 )
 
 S, B, H, F, V = 8, 2, 16, 32, 24
@@ -166,13 +166,26 @@ def test_parallel_mlp_dropout_is_layout_independent(tp, sequence_parallel):
 
 @pytest.mark.parametrize("in_features, out_features", [(24, 8), (8, 24), (16, 16)])
 def test_linear_gradients_equal_plain_matmul(in_features, out_features):
-    """``linear``'s hand-written VJP (either operand transposed first) equals autodiff of ``x @ w.T``."""
+    """``linear``'s hand-written VJP (either operand transposed first, with and without bias)
+    equals autodiff of ``x @ w.T + b``."""
     kx, kw, kg = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(kx, (5, 3, in_features))
     w = jax.random.normal(kw, (out_features, in_features))
     cot = jax.random.normal(kg, (5, 3, out_features))
-    grads = lambda f: jax.jit(jax.vjp(f, x, w)[1])(cot)
-    dx, dw = grads(linear)
-    dx_ref, dw_ref = grads(lambda x, w: jnp.einsum("sbi,oi->sbo", x, w))
-    np.testing.assert_allclose(np.asarray(dx), np.asarray(dx_ref), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(dw), np.asarray(dw_ref), rtol=1e-5, atol=1e-5)
+    b = jax.random.normal(kg, (out_features,))
+    grads = lambda f, *args: jax.jit(lambda c: jax.vjp(f, *args)[1](c))(cot)
+    ref = lambda x, w, b=0.0: jnp.einsum("sbi,oi->sbo", x, w) + b
+    for args in [(x, w), (x, w, b)]:
+        for got, want in zip(grads(linear, *args), grads(ref, *args), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(linear(x, w, b)), np.asarray(ref(x, w, b)), rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_value_and_gradient_equal_autodiff():
+    """The hand-written tanh-GELU VJP equals autodiff of ``jax.nn.gelu(approximate=True)``."""
+    x = jnp.linspace(-6.0, 6.0, 1001).reshape(7, 143)
+    cot = jax.random.normal(jax.random.key(0), x.shape)
+    ref = lambda x: jax.nn.gelu(x, approximate=True)
+    np.testing.assert_array_equal(np.asarray(gelu(x)), np.asarray(ref(x)))
+    got, want = (jax.jit(lambda c, f=f: jax.vjp(f, x)[1](c)[0])(cot) for f in (gelu, ref))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

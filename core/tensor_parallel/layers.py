@@ -23,6 +23,7 @@ from jax import lax
 
 from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
+from core.tensor_parallel.fast_vjp import gelu, linear
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -40,48 +41,6 @@ Initializer = Callable[..., jax.Array]
 def default_init_method(key: jax.Array, shape: tuple[int, ...], dtype: Any = jnp.float32) -> jax.Array:
     """Megatron's ``init_method_normal(0.02)``."""
     return jax.random.normal(key, shape, dtype) * 0.02
-
-
-def linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x @ weight.T`` over the last dim of ``x`` (weight ``[out, in]``), as one 2-D matmul.
-
-    Flattening the leading dims first matters on CPU: XLA's weight gradient of a 3-D einsum
-    contracts two dims and runs at about half the speed of the equivalent 2-D matmul.
-    """
-    y = _matmul_nt(x.reshape(-1, x.shape[-1]), weight)
-    return y.reshape(x.shape[:-1] + (weight.shape[0],))
-
-
-@jax.custom_vjp
-def _matmul_nt(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x [t, in] @ weight [out, in]^T``, with a weight gradient that XLA's CPU GEMM runs well."""
-    return lax.dot_general(x, weight, (((1,), (1,)), ((), ())))
-
-
-def _matmul_nt_fwd(x: jax.Array, weight: jax.Array):
-    return _matmul_nt(x, weight), (x, weight)
-
-
-def _matmul_nt_bwd(residuals, dy: jax.Array):
-    x, weight = residuals
-    dx = lax.dot_general(dy, weight, (((1,), (0,)), ((), ()))).astype(x.dtype)
-    if jax.default_backend() != "cpu":  # GPU GEMMs take transposed operands at full speed
-        return dx, lax.dot_general(dy, x, (((0,), (0,)), ((), ()))).astype(weight.dtype)
-    # dW = dy^T @ x contracts the token dim, the leading dim of both operands. XLA's CPU backend
-    # sends that transposed-LHS product to Eigen (YNNPACK takes row-major operands only): 37-45
-    # GFLOP/s per core for the MLP weights. Copying the narrower operand to row-major first (a
-    # [t, 256] transpose costs ~2 ms, a [t, 1024] one ~9 ms) lets YNNPACK run it: fc2's weight
-    # gradient 58 -> 30 ms, fc1's 47 -> 34 ms at 4096 tokens on one core. The barriers keep XLA
-    # from folding the transposes back into the dot (or into its output layout).
-    nt = (((1,), (0,)), ((), ()))
-    if dy.shape[1] <= x.shape[1]:
-        dw = lax.dot_general(lax.optimization_barrier(dy.T), x, nt)
-    else:
-        dw = lax.optimization_barrier(lax.dot_general(lax.optimization_barrier(x.T), dy, nt)).T
-    return dx, dw.astype(weight.dtype)
-
-
-_matmul_nt.defvjp(_matmul_nt_fwd, _matmul_nt_bwd)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -120,13 +79,14 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, True, self.axis_name)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.axis_name)
-        y = linear(x, weight)
         b = None
         if self.bias:
             b = self.param("bias", with_parallel_metadata(nn.initializers.zeros, (self.axis_name,)),
                            (out_local,), self.params_dtype)
-            if not self.skip_bias_add:
-                y, b = y + b, None
+        if b is not None and not self.skip_bias_add:
+            y, b = linear(x, weight, b), None
+        else:
+            y = linear(x, weight)
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.axis_name)
         return y, b
@@ -249,7 +209,7 @@ class ParallelMLP(nn.Module):
         h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, sequence_parallel=sp,
                                     axis_name=self.axis_name, name="fc1")(h)
         h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, input_is_parallel=True, sequence_parallel=sp,
-                                 axis_name=self.axis_name, name="fc2")(nn.gelu(h))
+                                 axis_name=self.axis_name, name="fc2")(gelu(h))
         if self.hidden_dropout and not self.deterministic:
             h = sequence_parallel_dropout(self.make_rng("dropout"), h, self.hidden_dropout, sp, self.axis_name)
         return x + h
