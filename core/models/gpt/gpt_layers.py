@@ -71,7 +71,10 @@ def _split_qkv_fwd(qkv: jax.Array):
 
 
 def _split_qkv_bwd(_, grads: tuple[jax.Array, jax.Array, jax.Array]):
-    return (jnp.transpose(jnp.stack(grads), (3, 1, 2, 0, 4)),)
+    # Transposing each gradient and stacking on a minor axis: XLA's CPU backend emits the single
+    # stack-then-transpose, whose result the linear layer flattens to 2-D, as a strided loop
+    # (7.5 vs 1.5 ms for [16, 4, 256, 64] x 3 on one core).
+    return (jnp.stack([jnp.transpose(g, (2, 0, 1, 3)) for g in grads], axis=3),)
 
 
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
