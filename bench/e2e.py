@@ -9,7 +9,9 @@ installed: ``pip install torch==2.13.0``) and the per-leaf ``pmean`` recipe
 256), same global batch, fp32. Prints a table (median step time after warm-up, tokens/s, peak
 memory per process, ratios against each peer at the same world size) and writes
 ``bench/results/e2e.{json,md,png}``. Every process sets its CPU threads from the number of
-processes on the host (``core/cpu_threads.py``).
+processes on the host (``core/cpu_threads.py``), and the JAX workers expose one CPU device per
+core of their share, as the package's launch path does (``core/cpu_devices.py``; the
+``devices`` column: all of the world's JAX devices).
 """
 
 from __future__ import annotations
@@ -66,12 +68,13 @@ def cases(world: int, has_torch: bool) -> list[tuple[str, str, str, list[str]]]:
 def markdown(rows: list[dict]) -> str:
     """The results table with ratios against the peers at the same world size."""
     base = {(r["world"], r["impl"]): r["step_time_s"] for r in rows if r["layout"] == "dp"}
-    lines = ["| world | implementation | layout | step time (s) | tokens/s | peak mem/process (MiB) | "
-             "vs torch DDP | vs pmean recipe |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| processes | implementation | layout | devices | step time (s) | tokens/s | peak mem/process (MiB) | "
+             "vs torch DDP | vs pmean recipe |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = lambda peer, r=r: (f"{r['step_time_s'] / base[(r['world'], peer)]:.2f}x"
                               if (r["world"], peer) in base else "n/a")
-        lines.append(f"| {r['world']} | {r['impl']} | {r['layout']} | {r['step_time_s']:.3f} | "
+        lines.append(f"| {r['world']} | {r['impl']} | {r['layout']} | {r.get('devices', r['world'])} | "
+                     f"{r['step_time_s']:.3f} | "
                      f"{r['tokens_per_sec']:.0f} | {r['peak_memory_bytes'] / 2**20:.0f} | {ratio('torch_ddp')} | "
                      f"{ratio('pmean')} |")
     return "\n".join(lines)

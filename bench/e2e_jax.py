@@ -115,18 +115,25 @@ def main() -> None:
     """Measure and print rank 0's JSON line."""
     threads = configure_cpu_threads()
     a = _args()
+    from core.cpu_devices import configure_cpu_devices, cpu_devices_per_process
+    from core.parallel_state import initialize_distributed, mpi_world_size_from_env
+    from core.training.arguments import layout_fits, parse_args
+
+    processes = mpi_world_size_from_env()
+    # the package's launch path: on CPU, one device per core of this process's share
+    configure_cpu_devices(cpu_devices_per_process(
+        lambda n: layout_fits(parse_args(_pretrain_flags(a, processes * n)), processes * n)))
     import jax
 
-    from core.parallel_state import initialize_distributed, mpi_world_size_from_env
-
-    if mpi_world_size_from_env() > 1:
+    if processes > 1:
         initialize_distributed()
     world = jax.device_count()
     times, config = (package_step_times if a.impl == "package" else pmean_step_times)(a, world)
     step_time = statistics.median(times)
     tokens = a.global_batch * a.seq
-    record = {"impl": a.impl, "world": world, "tp": a.tp, "pp": a.pp, "dp": world // (a.tp * a.pp),
-              "step_time_s": step_time, "tokens_per_sec": tokens / step_time, "threads": threads,
+    record = {"impl": a.impl, "world": jax.process_count(), "devices": world, "tp": a.tp, "pp": a.pp,
+              "dp": world // (a.tp * a.pp), "step_time_s": step_time, "tokens_per_sec": tokens / step_time,
+              "threads": threads,
               "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"}
     if a.peak:
@@ -134,7 +141,8 @@ def main() -> None:
 
         peak = measure_matmul_peak()
         record["matmul_peak_flops"] = peak
-        record["model_flops_per_sec"] = config.flops_per_token() * tokens / step_time / world
+        # per process: the peak is this process's (its devices share its cores)
+        record["model_flops_per_sec"] = config.flops_per_token() * tokens / step_time / jax.process_count()
         record["mfu"] = record["model_flops_per_sec"] / peak
     from jax.experimental import multihost_utils
 

@@ -45,14 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     from core.cpu_threads import configure_cpu_threads
 
     configure_cpu_threads()  # before JAX starts its CPU backend
-    from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
+    from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
+    from core.training.arguments import ArgumentError, fill_defaults, layout_fits, parse_args, validate_args
 
     args = parse_args(argv)
-    rank, world = _rank_and_world()
-    devices_per_process = int(os.environ.get("JAX_NUM_CPU_DEVICES", "1"))
-    world *= devices_per_process
+    rank, processes = _rank_and_world()
+    # tp/pp defaults follow what was launched; on CPU, the devices chosen for the cores only add dp.
+    fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
+    devices = cpu_devices_per_process(lambda n: layout_fits(args, processes * n))
+    configure_cpu_devices(devices)
     try:
-        layout = validate_args(fill_defaults(args, world), world)
+        layout = validate_args(args, processes * devices)
     except ArgumentError as e:
         _fail(rank, EXIT_BAD_INPUT, str(e))
     return _run(args, layout, rank)
@@ -66,8 +69,6 @@ def _run(args, layout, rank: int) -> int:
         os.dup2(devnull, 1)
     import jax
 
-    if int(os.environ.get("JAX_NUM_CPU_DEVICES", "1")) > 1:
-        jax.config.update("jax_num_cpu_devices", int(os.environ["JAX_NUM_CPU_DEVICES"]))
     from core import parallel_state as ps
     from core.training.pretrainer import Pretrainer, TrainingError
     from core.training.train_logging import TrainingLogger

@@ -142,11 +142,16 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert latest_step(str(ckpt)) == 1
 
 
-def test_plain_python_single_process(tmp_path):
-    """``python launch/pretrain.py`` (no mpirun): one process, tp=pp=dp=1."""
+@pytest.mark.parametrize("user_devices", [None, "1"])
+def test_plain_python_single_process(tmp_path, user_devices):
+    """``python launch/pretrain.py`` (no mpirun): one process, tp=pp=1, one CPU device per core
+    (as many as the default global batch of 16 divides), or the user's JAX_NUM_CPU_DEVICES."""
     metrics = tmp_path / "m.jsonl"
+    env = _env() if user_devices is None else dict(_env(), JAX_NUM_CPU_DEVICES=user_devices)
     result = subprocess.run([sys.executable, PRETRAIN, "--train-iters", "5", "--log-interval", "5", "--metrics-file", str(metrics)],
-                            capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "1 processes, 1 cpu devices, layout tp=1 pp=1 dp=1" in result.stdout
+    cores = len(os.sched_getaffinity(0))
+    devices = int(user_devices or max(n for n in range(1, cores + 1) if 16 % (4 * n) == 0))
+    assert f"1 processes, {devices} cpu devices, layout tp=1 pp=1 dp={devices}" in result.stdout
     assert sorted(_losses(metrics)) == [1, 5]  # logged at iteration 1 and every --log-interval

@@ -147,6 +147,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
 
 
+def layout_fits(args: argparse.Namespace, world_size: int) -> bool:
+    """Whether :func:`validate_args` accepts these flags at ``world_size`` devices."""
+    try:
+        validate_args(args, world_size)
+    except ArgumentError:
+        return False
+    return True
+
+
 def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe."""
     return GPTConfig(

@@ -203,6 +203,8 @@ class Pretrainer:
         """Run to ``--train-iters`` (or ``--exit-interval``); returns the logged records."""
         args, log = self.args, self.logger
         peak = measure_matmul_peak()
+        # A process's CPU devices share its cores, and the peak was measured with all of them.
+        devices_per_peak = jax.local_device_count() if jax.devices()[0].platform == "cpu" else 1
         flops_per_token = self.config.flops_per_token()
         records = []
         stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
@@ -210,7 +212,7 @@ class Pretrainer:
             record = self.step()
             per_device = record["tokens_per_sec"] / self.state.mesh.devices.size
             record["tflops_per_device"] = flops_per_token * per_device / 1e12
-            record["mfu"] = record["tflops_per_device"] * 1e12 / peak
+            record["mfu"] = record["tflops_per_device"] * devices_per_peak * 1e12 / peak
             record["memory_per_device_bytes"] = memory_per_device_bytes()
             records.append(record)
             if args.eval_interval and self.iteration % args.eval_interval == 0:
