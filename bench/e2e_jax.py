@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.cpu_threads import configure_cpu_threads  # noqa: E402
+from core.cpu_threads import configure_cpu_threads, release_cpu_affinity  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -113,21 +113,23 @@ def pmean_step_times(a: argparse.Namespace, world: int):
 
 def main() -> None:
     """Measure and print rank 0's JSON line."""
-    threads = configure_cpu_threads()
     a = _args()
     from core.cpu_devices import configure_cpu_devices, cpu_devices_per_process
     from core.parallel_state import initialize_distributed, mpi_world_size_from_env
     from core.training.arguments import layout_fits, parse_args
 
     processes = mpi_world_size_from_env()
-    # the package's launch path: on CPU, one device per core of this process's share
+    # as the package's launch path: on CPU, one device per core of this process's share, and a
+    # thread pool of the share's size unless pipelined
     configure_cpu_devices(cpu_devices_per_process(
         lambda n: layout_fits(parse_args(_pretrain_flags(a, processes * n)), processes * n)))
+    threads = configure_cpu_threads(share_pool=a.pp == 1)
     import jax
 
     if processes > 1:
         initialize_distributed()
     world = jax.device_count()
+    release_cpu_affinity()  # the backend has sized its thread pool
     times, config = (package_step_times if a.impl == "package" else pmean_step_times)(a, world)
     step_time = statistics.median(times)
     tokens = a.global_batch * a.seq

@@ -42,10 +42,8 @@ def _fail(rank: int, code: int, message: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate, set up the mesh, train; returns the exit code."""
-    from core.cpu_threads import configure_cpu_threads
-
-    configure_cpu_threads()  # before JAX starts its CPU backend
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
+    from core.cpu_threads import configure_cpu_threads
     from core.training.arguments import ArgumentError, fill_defaults, layout_fits, parse_args, validate_args
 
     args = parse_args(argv)
@@ -54,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
     devices = cpu_devices_per_process(lambda n: layout_fits(args, processes * n))
     configure_cpu_devices(devices)
+    # Before JAX starts its CPU backend. Pipeline stages lend their cores to each other in the
+    # bubbles, so only the other layouts get a thread pool of their share's size.
+    configure_cpu_threads(share_pool=args.pipeline_model_parallel_size == 1)
     try:
         layout = validate_args(args, processes * devices)
     except ArgumentError as e:
@@ -70,11 +71,13 @@ def _run(args, layout, rank: int) -> int:
     import jax
 
     from core import parallel_state as ps
+    from core.cpu_threads import release_cpu_affinity
     from core.training.pretrainer import Pretrainer, TrainingError
     from core.training.train_logging import TrainingLogger
 
     state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                          layout.virtual_pipeline_model_parallel_size)
+    release_cpu_affinity()  # the backend has sized its thread pool
     try:
         trainer = Pretrainer(args, layout, state)
         resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim)

@@ -50,3 +50,23 @@ def test_user_flags_win(host, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
     cpu_threads.configure_cpu_threads()
     assert cpu_threads.os.environ["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"
+
+
+def test_share_pool_narrows_until_released(host, monkeypatch):
+    """``share_pool`` narrows the affinity to the process's share (XLA sizes its pool from it) and
+    ``release_cpu_affinity`` gives every thread the whole mask back; the thread count is taken
+    from the whole mask."""
+    calls = []
+    monkeypatch.setattr(cpu_threads.os, "sched_setaffinity", lambda pid, cores: calls.append((pid, set(cores))),
+                        raising=False)
+    monkeypatch.setattr(cpu_threads.os, "listdir", lambda path: ["100", "101"])
+    monkeypatch.delenv("MCJ_CPU_AFFINITY", raising=False)
+    host(4, 1)
+    assert cpu_threads.configure_cpu_threads(share_pool=True) == 2
+    assert calls == [(0, {2, 3})]
+    cpu_threads.release_cpu_affinity()
+    assert calls[1:] == [(100, set(range(8))), (101, set(range(8)))]
+    cpu_threads.release_cpu_affinity()  # once only
+    assert len(calls) == 3
+    cpu_threads.configure_cpu_threads(share_pool=False)  # pipeline layouts keep the whole mask
+    assert len(calls) == 3
