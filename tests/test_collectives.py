@@ -3,11 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from collectives_reference import expected_reduce_scatter
+from collectives_reference import expected_all_reduce, expected_reduce_scatter
 from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
-from core.distributed.collectives import all_gather, reduce_scatter
+from core.distributed.collectives import all_gather, all_reduce, reduce_scatter
 
 
 def _run_per_rank(state, fn, per_rank):
@@ -53,3 +53,22 @@ def test_reduce_scatter_rejects_indivisible():
     state = ps.build_parallel_state(1)
     with pytest.raises(ValueError, match=r"size 10 is not divisible by the size 8"):
         _run_per_rank(state, lambda v: reduce_scatter(v, ("dp", "ep")), np.ones((8, 10), np.float32))
+
+
+@pytest.mark.parametrize("impl", ["psum", "reduce_scatter_all_gather", "auto"])
+@pytest.mark.parametrize("tp,axes_kind", [(1, "dp"), (2, "dp"), (2, "tp")])
+@pytest.mark.parametrize("shape", [(64,), (3, 5), (1,)])  # (3, 5) and (1,): padded to the group size
+@pytest.mark.parametrize("average", [False, True])
+def test_all_reduce_matches_numpy(impl, tp, axes_kind, shape, average):
+    state = ps.build_parallel_state(tp)
+    axes = state.data_parallel_axis_name if axes_kind == "dp" else ("tp",)
+    per_rank = np.random.default_rng(1).normal(size=(8, *shape)).astype(np.float32)
+    axis_name = axes if len(axes) > 1 else axes[0]
+    got = _run_per_rank(state, lambda v: all_reduce(v, axis_name, average=average, impl=impl), per_rank)
+    np.testing.assert_allclose(got, expected_all_reduce(state, per_rank, axes, average), rtol=1e-5, atol=1e-5)
+
+
+def test_all_reduce_rejects_unknown_impl():
+    state = ps.build_parallel_state(1)
+    with pytest.raises(ValueError, match="unknown all_reduce impl"):
+        _run_per_rank(state, lambda v: all_reduce(v, ("dp", "ep"), impl="tree"), np.ones((8, 4), np.float32))
