@@ -46,8 +46,15 @@ def worker(mib: int, reps: int) -> None:
     axis, names = state.data_parallel_axis_name, state.mesh.axis_names
     spec = P(*names)
 
-    def program(body):
-        return jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    def program(body, arity=1):
+        specs = spec if arity == 1 else (spec,) * arity
+        return jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=specs, out_specs=specs, check_vma=False))
+
+    def reduce_body(g):
+        return lax.psum(g, axis)
+
+    def compute_body(a):
+        return _compute(a.reshape(a.shape[-2:])).reshape(a.shape)
 
     def local(shape, value):
         data = np.full((1,) * len(names) + shape, value, np.float32)
@@ -55,10 +62,8 @@ def worker(mib: int, reps: int) -> None:
 
     grads = local((mib * 2**18,), 1.0)
     weights = local((1024, 1024), 1e-3)
-    all_reduce = program(lambda g: lax.psum(g, axis))
-    compute = program(lambda a: _compute(a.reshape(a.shape[-2:])).reshape(a.shape))
-    fused = jax.jit(jax.shard_map(lambda g, a: (lax.psum(g, axis), _compute(a.reshape(a.shape[-2:])).reshape(a.shape)),
-                                  mesh=state.mesh, in_specs=(spec, spec), out_specs=(spec, spec), check_vma=False))
+    all_reduce, compute = program(reduce_body), program(compute_body)
+    fused = program(lambda g, a: (reduce_body(g), compute_body(a)), arity=2)
 
     def two_calls(g, a):
         return all_reduce(g), compute(a)  # dispatched back to back, blocked on together

@@ -27,17 +27,23 @@ def _run_per_rank(state, fn, per_rank):
     return result
 
 
+def _group_axes(state, axes_kind):
+    """The mesh axes of a data-parallel ("dp") or tensor-parallel ("tp") group, and the
+    ``axis_name`` to pass to a collective (a single axis as a plain string)."""
+    axes = state.data_parallel_axis_name if axes_kind == "dp" else ("tp",)
+    return axes, axes if len(axes) > 1 else axes[0]
+
+
 @pytest.mark.parametrize("impl", ["psum_scatter", "ring", "all_reduce", "auto"])
 @pytest.mark.parametrize("tp,axes_kind", [(1, "dp"), (2, "dp"), (4, "tp"), (2, "tp")])
 @pytest.mark.parametrize("shape,dim", [((64,), 0), ((3, 40), 1), ((16, 5), 0)])
 def test_reduce_scatter_matches_numpy(impl, tp, axes_kind, shape, dim):
     state = ps.build_parallel_state(tp)
-    axes = state.data_parallel_axis_name if axes_kind == "dp" else ("tp",)
+    axes, axis_name = _group_axes(state, axes_kind)
     n = int(np.prod([state.mesh.shape[a] for a in axes]))
     if shape[dim] % n:
         pytest.skip("does not divide")
     per_rank = np.random.default_rng(0).normal(size=(8, *shape)).astype(np.float32)
-    axis_name = axes if len(axes) > 1 else axes[0]
     got = _run_per_rank(state, lambda v: reduce_scatter(v, axis_name, scatter_dimension=dim, impl=impl), per_rank)
     np.testing.assert_allclose(got, expected_reduce_scatter(state, per_rank, axes, dim), rtol=1e-5, atol=1e-5)
 
@@ -61,9 +67,8 @@ def test_reduce_scatter_rejects_indivisible():
 @pytest.mark.parametrize("average", [False, True])
 def test_all_reduce_matches_numpy(impl, tp, axes_kind, shape, average):
     state = ps.build_parallel_state(tp)
-    axes = state.data_parallel_axis_name if axes_kind == "dp" else ("tp",)
+    axes, axis_name = _group_axes(state, axes_kind)
     per_rank = np.random.default_rng(1).normal(size=(8, *shape)).astype(np.float32)
-    axis_name = axes if len(axes) > 1 else axes[0]
     got = _run_per_rank(state, lambda v: all_reduce(v, axis_name, average=average, impl=impl), per_rank)
     np.testing.assert_allclose(got, expected_all_reduce(state, per_rank, axes, average), rtol=1e-5, atol=1e-5)
 

@@ -28,6 +28,25 @@ def test_auto_picks_the_ring_on_multiprocess_cpu():
 _SIZES = [(1, 64), (2, 4096), (1, 262144 + 8 * 128)]
 
 
+def _run_across_processes(state, fn, numel):
+    """Give rank r the data ``per_rank[r]`` (rank-dependent and exactly representable: a sum
+    reveals which ranks were reduced), apply ``fn`` to the flat vector inside shard_map, and
+    return ``(per_rank, this rank's flat output)``."""
+    world, rank = state.world_size, jax.process_index()
+    per_rank = np.stack([np.arange(numel, dtype=np.float32) % 7 + 2.0**r for r in range(world)])
+    names = state.mesh.axis_names
+    local = per_rank[rank].reshape((1,) * len(names) + (numel,))
+    x = jax.make_array_from_process_local_data(jax.NamedSharding(state.mesh, P(*names)), local)
+
+    def f(v):
+        out = fn(v.reshape(numel))
+        return out.reshape((1,) * len(names) + out.shape)
+
+    out = jax.jit(jax.shard_map(f, mesh=state.mesh, in_specs=P(*names), out_specs=P(*names), check_vma=False))(x)
+    (got,) = [np.asarray(s.data).ravel() for s in out.addressable_shards]
+    return per_rank, got
+
+
 # Raw gloo psum_scatter only at a large size: a small one would slow every later large
 # collective of this test session (the stall this module exists to avoid).
 @pytest.mark.parametrize(
@@ -36,21 +55,9 @@ _SIZES = [(1, 64), (2, 4096), (1, 262144 + 8 * 128)]
 )
 def test_reduce_scatter_across_processes(impl, tp, numel):
     state = ps.build_parallel_state(tp)
-    world, rank = state.world_size, jax.process_index()
-    # Rank-dependent, exactly representable data: the sum reveals which ranks were reduced.
-    per_rank = np.stack([np.arange(numel, dtype=np.float32) % 7 + 2.0**r for r in range(world)])
-    names = state.mesh.axis_names
-    local = per_rank[rank].reshape((1,) * len(names) + (numel,))
-    x = jax.make_array_from_process_local_data(jax.NamedSharding(state.mesh, P(*names)), local)
     axes = state.data_parallel_axis_name
-
-    def f(v):
-        out = reduce_scatter(v.reshape(numel), axes, impl=impl)
-        return out.reshape((1,) * len(names) + out.shape)
-
-    out = jax.jit(jax.shard_map(f, mesh=state.mesh, in_specs=P(*names), out_specs=P(*names), check_vma=False))(x)
-    (got,) = [np.asarray(s.data).ravel() for s in out.addressable_shards]
-    np.testing.assert_array_equal(got, expected_reduce_scatter(state, per_rank, axes, 0)[rank])
+    per_rank, got = _run_across_processes(state, lambda v: reduce_scatter(v, axes, impl=impl), numel)
+    np.testing.assert_array_equal(got, expected_reduce_scatter(state, per_rank, axes, 0)[jax.process_index()])
 
 
 # 2**20 + 3 floats: above the split threshold and not divisible by the group (padded).
@@ -58,17 +65,7 @@ def test_reduce_scatter_across_processes(impl, tp, numel):
 @pytest.mark.parametrize("tp,numel,average", [(1, 64, False), (1, 2**20 + 3, False), (2, 2**20 + 3, True)])
 def test_all_reduce_across_processes(impl, tp, numel, average):
     state = ps.build_parallel_state(tp)
-    world, rank = state.world_size, jax.process_index()
-    per_rank = np.stack([np.arange(numel, dtype=np.float32) % 7 + 2.0**r for r in range(world)])
-    names = state.mesh.axis_names
-    local = per_rank[rank].reshape((1,) * len(names) + (numel,))
-    x = jax.make_array_from_process_local_data(jax.NamedSharding(state.mesh, P(*names)), local)
     axes = state.data_parallel_axis_name
-
-    def f(v):
-        return all_reduce(v.reshape(numel), axes, average=average, impl=impl).reshape(v.shape)
-
-    out = jax.jit(jax.shard_map(f, mesh=state.mesh, in_specs=P(*names), out_specs=P(*names), check_vma=False))(x)
-    (got,) = [np.asarray(s.data).ravel() for s in out.addressable_shards]
+    per_rank, got = _run_across_processes(state, lambda v: all_reduce(v, axes, average=average, impl=impl), numel)
     # Exactly representable sums (means of a power-of-two group): equal whatever the order.
-    np.testing.assert_array_equal(got, expected_all_reduce(state, per_rank, axes, average)[rank])
+    np.testing.assert_array_equal(got, expected_all_reduce(state, per_rank, axes, average)[jax.process_index()])
