@@ -135,7 +135,7 @@ def main() -> None:
     tokens = a.global_batch * a.seq
     record = {"impl": a.impl, "world": jax.process_count(), "devices": world, "tp": a.tp, "pp": a.pp,
               "dp": world // (a.tp * a.pp), "step_time_s": step_time, "tokens_per_sec": tokens / step_time,
-              "threads": threads,
+              "threads": threads, "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
               "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"}
     if a.peak:
@@ -156,6 +156,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     from core.cpu_malloc import reexec_with_malloc_settings
+    from core.cpu_threads import xla_pool_threads
 
-    reexec_with_malloc_settings()  # the package's launch path does the same
+    # as the package's launch path does: the settings follow the threads XLA's pool will have
+    reexec_with_malloc_settings(one_thread=xla_pool_threads(share_pool=_args().pp == 1) == 1)
     main()

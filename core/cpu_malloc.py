@@ -1,16 +1,28 @@
-"""Back XLA's large CPU buffers with transparent huge pages (glibc's ``glibc.malloc.hugetlb=1``).
+"""glibc malloc settings for XLA's CPU runtime: huge pages, and keeping freed memory in one-thread processes.
 
 XLA's CPU runtime allocates each step's large buffers with ``malloc``; glibc serves them with
 ``mmap`` and ``munmap``-s them on free, so every step page-faults its working set in again, 4 KiB
 at a time. Measured on the end-to-end GPT (4 layers, hidden 256, batch 32 x 256, one process,
 2 cores): 285k minor faults (1.1 GB) and 0.7-0.9 s of system time per forward-backward, 2.8-3.1 s
-wall. With the tunable, glibc asks for transparent huge pages (``madvise``) on those mappings:
-2-3k faults, 0.2 s system time, 2.0-2.1 s wall, the same peak memory. (Keeping freed memory
-instead, with one arena and high mmap/trim thresholds, also removed the faults but doubled the
-peak memory.) Tunables are only read at process start, so :func:`reexec_with_malloc_settings`
-re-executes the interpreter once with them (first thing in a launch script, before MPI or JAX
-start). ``MCJ_MALLOC_TUNING=0`` opts out; a ``hugetlb`` tunable the user set is left alone.
-Needs glibc >= 2.35 and the kernel's THP mode ``madvise`` or ``always``; elsewhere it is inert.
+wall. Two settings, chosen by how many threads run the process's XLA programs:
+
+* :data:`THP_TUNABLES` (several threads): glibc asks for transparent huge pages (``madvise``) on
+  those mappings: 2-3k faults, 0.2 s system time, 2.0-2.1 s wall, the same peak memory. The
+  kernel still zeroes every huge page of every fresh mapping (about 830 faults, 0.15 s of system
+  time per step of the same GPT today) and now and then compacts memory to find huge pages
+  (0.4-0.5 s system-time spikes in one step of three to six).
+* :data:`KEEP_FREED_TUNABLES` (one thread: a process whose share of the host is one core and
+  whose pool is sized to it): one arena, no ``mmap``, no trimming, so a step's freed buffers
+  stay in the process and the next step reuses them: no faults and no system time at all (one
+  core, global batch 16: 259 faults and 0.05-0.07 s system time per step before, plus the
+  spikes). With several threads allocating, the one arena cost more user time than it saved
+  (one process, two devices: 1.05-1.09 -> 1.09-1.12 s per step) and fragmented to 1.5x the peak
+  memory, hence the split.
+
+Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
+interpreter once with them (first thing in a launch script, before MPI or JAX start).
+``MCJ_MALLOC_TUNING=0`` opts out; a tunable the user set keeps the user's value. Needs glibc >=
+2.35 (and for the huge pages the kernel's THP mode ``madvise`` or ``always``); elsewhere inert.
 """
 
 from __future__ import annotations
@@ -19,19 +31,33 @@ import os
 import sys
 from collections.abc import Mapping
 
-TUNABLE = "glibc.malloc.hugetlb=1"
-"""The glibc tunable added to ``GLIBC_TUNABLES``: ``madvise(MADV_HUGEPAGE)`` on malloc's mappings."""
+THP_TUNABLES = ("glibc.malloc.hugetlb=1",)
+"""Tunables for processes whose XLA programs run on several threads: ``madvise(MADV_HUGEPAGE)``
+on malloc's mappings."""
+
+KEEP_FREED_TUNABLES = (
+    "glibc.malloc.hugetlb=1",
+    "glibc.malloc.arena_max=1",  # other threads' arenas would still mmap blocks over 64 MiB
+    "glibc.malloc.mmap_max=0",  # large blocks come from the heap and go back to it
+    "glibc.malloc.trim_threshold=68719476736",  # and the heap is not given back to the kernel
+)
+"""Tunables for processes whose XLA programs run on one thread: freed memory stays for the next step."""
 
 OPT_OUT_VAR = "MCJ_MALLOC_TUNING"
-"""Set to ``0`` to skip the malloc setting."""
+"""Set to ``0`` to skip the malloc settings."""
 
 
-def malloc_settings_update(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment update that adds :data:`TUNABLE` (empty when present, set by the user, or opted out)."""
-    current = environ.get("GLIBC_TUNABLES", "")
-    if environ.get(OPT_OUT_VAR, "1") == "0" or "glibc.malloc.hugetlb" in current:
+def malloc_settings_update(environ: Mapping[str, str], one_thread: bool = False) -> dict[str, str]:
+    """The ``GLIBC_TUNABLES`` update that adds the settings for a process whose XLA programs run on
+    one thread (``one_thread``) or several; tunables already set keep their value. Empty when
+    nothing is missing or the user opted out."""
+    if environ.get(OPT_OUT_VAR, "1") == "0":
         return {}
-    return {"GLIBC_TUNABLES": f"{current}:{TUNABLE}" if current else TUNABLE}
+    current = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
+    present = {t.split("=", 1)[0] for t in current}
+    wanted = KEEP_FREED_TUNABLES if one_thread else THP_TUNABLES
+    missing = [t for t in wanted if t.split("=", 1)[0] not in present]
+    return {"GLIBC_TUNABLES": ":".join(current + missing)} if missing else {}
 
 
 def is_glibc_linux() -> bool:
@@ -44,15 +70,17 @@ def is_glibc_linux() -> bool:
         return False
 
 
-def reexec_with_malloc_settings() -> None:
-    """Re-execute this Python process with :data:`TUNABLE` added when it is missing.
+def reexec_with_malloc_settings(one_thread: bool = False) -> None:
+    """Re-execute this Python process with the malloc settings added when any is missing.
 
-    A no-op off glibc Linux, when opted out, or when the settings are already present (so it
-    re-executes at most once). Call first thing in a launch script: the process image is replaced.
+    ``one_thread``: this process's XLA programs will run on one thread (see
+    :func:`core.cpu_threads.xla_pool_threads`). A no-op off glibc Linux, when opted out, or when
+    the settings are already present (so it re-executes at most once). Call first thing in a
+    launch script, before it changes the process's CPU affinity: the process image is replaced.
     """
     if not is_glibc_linux():
         return
-    update = malloc_settings_update(os.environ)
+    update = malloc_settings_update(os.environ, one_thread)
     if not update:
         return
     os.environ.update(update)

@@ -79,6 +79,15 @@ _FULL_AFFINITY: set[int] | None = None
 """The affinity mask :func:`configure_cpu_threads` narrowed for ``share_pool`` (None: not narrowed)."""
 
 
+def xla_pool_threads(share_pool: bool = False) -> int:
+    """How many threads XLA's CPU pool will have after :func:`configure_cpu_threads` with the same
+    ``share_pool`` (the size of the affinity mask its backend will start with)."""
+    pinned = os.environ.get("MCJ_CPU_AFFINITY", "0") == "1"
+    if local_process_count() <= 1 or not (share_pool or pinned):
+        return available_cores()
+    return len(cores_for_this_process())
+
+
 def configure_cpu_threads(share_pool: bool = False) -> int:
     """Size thread pools to this process's share of the cores (call before JAX starts its
     backend). With ``MCJ_CPU_AFFINITY=1`` pin the process to :func:`cores_for_this_process`;

@@ -43,18 +43,22 @@ def _fail(rank: int, code: int, message: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse, validate, set up the mesh, train; returns the exit code."""
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
-    from core.cpu_threads import configure_cpu_threads
+    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.cpu_threads import configure_cpu_threads, xla_pool_threads
     from core.training.arguments import ArgumentError, fill_defaults, layout_fits, parse_args, validate_args
 
     args = parse_args(argv)
     rank, processes = _rank_and_world()
     # tp/pp defaults follow what was launched; on CPU, the devices chosen for the cores only add dp.
     fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
+    # Pipeline stages lend their cores to each other in the bubbles, so only the other layouts
+    # get a thread pool of their share's size.
+    share_pool = args.pipeline_model_parallel_size == 1
+    if argv is None:  # run as a script: glibc reads its malloc settings at start-up only
+        reexec_with_malloc_settings(one_thread=xla_pool_threads(share_pool) == 1)
     devices = cpu_devices_per_process(lambda n: layout_fits(args, processes * n))
     configure_cpu_devices(devices)
-    # Before JAX starts its CPU backend. Pipeline stages lend their cores to each other in the
-    # bubbles, so only the other layouts get a thread pool of their share's size.
-    configure_cpu_threads(share_pool=args.pipeline_model_parallel_size == 1)
+    configure_cpu_threads(share_pool)  # before JAX starts its CPU backend
     try:
         layout = validate_args(args, processes * devices)
     except ArgumentError as e:
@@ -109,7 +113,4 @@ def _run(args, layout, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    from core.cpu_malloc import reexec_with_malloc_settings
-
-    reexec_with_malloc_settings()  # once, before MPI and JAX start: glibc reads them at start-up
     sys.exit(main())

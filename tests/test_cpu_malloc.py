@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from core.cpu_malloc import OPT_OUT_VAR, TUNABLE, is_glibc_linux, malloc_settings_update
+from core.cpu_malloc import (
+    KEEP_FREED_TUNABLES,
+    OPT_OUT_VAR,
+    THP_TUNABLES,
+    is_glibc_linux,
+    malloc_settings_update,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = f"""
@@ -17,23 +23,39 @@ import json, os, sys
 sys.path.insert(0, {ROOT!r})
 print("start", flush=True)
 from core.cpu_malloc import reexec_with_malloc_settings
-reexec_with_malloc_settings()
+reexec_with_malloc_settings(one_thread=os.environ.get("ONE_THREAD") == "1")
 print(json.dumps({{"argv": sys.argv[1:], "tunables": os.environ.get("GLIBC_TUNABLES")}}))
 """
 
 
-def test_update_adds_tunable_keeps_user_tunables_and_respects_opt_out():
-    assert malloc_settings_update({}) == {"GLIBC_TUNABLES": TUNABLE}
-    other = "glibc.malloc.arena_max=2"
-    assert malloc_settings_update({"GLIBC_TUNABLES": other}) == {"GLIBC_TUNABLES": f"{other}:{TUNABLE}"}
+THP = ":".join(THP_TUNABLES)
+KEEP = ":".join(KEEP_FREED_TUNABLES)
+
+
+def test_update_adds_tunables_for_the_thread_count():
+    assert malloc_settings_update({}) == {"GLIBC_TUNABLES": THP}
+    assert malloc_settings_update({}, one_thread=True) == {"GLIBC_TUNABLES": KEEP}
+    assert "glibc.malloc.mmap_max=0" in KEEP and "glibc.malloc.arena_max=1" in KEEP and "hugetlb=1" in KEEP
+
+
+def test_update_keeps_user_tunables_and_respects_opt_out():
+    other = "glibc.malloc.tcache_count=100"
+    assert malloc_settings_update({"GLIBC_TUNABLES": other}) == {"GLIBC_TUNABLES": f"{other}:{THP}"}
     assert malloc_settings_update({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) == {}
+    # the user's arena count wins; the other keep-freed settings are added
+    update = malloc_settings_update({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, one_thread=True)
+    tunables = update["GLIBC_TUNABLES"].split(":")
+    assert tunables[0] == "glibc.malloc.arena_max=4" and "glibc.malloc.arena_max=1" not in tunables
+    assert set(KEEP_FREED_TUNABLES) - set(tunables) == {"glibc.malloc.arena_max=1"}
+    assert malloc_settings_update({"GLIBC_TUNABLES": KEEP}, one_thread=True) == {}
     assert malloc_settings_update({OPT_OUT_VAR: "0"}) == {}
+    assert malloc_settings_update({OPT_OUT_VAR: "0"}, one_thread=True) == {}
 
 
 def _run(tmp_path, extra_env: dict[str, str]) -> tuple[list[str], dict]:
     script = tmp_path / "child.py"
     script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT_VAR)}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT_VAR, "ONE_THREAD")}
     env.update(extra_env)
     out = subprocess.run([sys.executable, "-u", str(script), "--flag", "a b"], env=env, capture_output=True,
                          text=True, timeout=60, check=True).stdout.splitlines()
@@ -41,15 +63,16 @@ def _run(tmp_path, extra_env: dict[str, str]) -> tuple[list[str], dict]:
 
 
 @pytest.mark.skipif(not is_glibc_linux(), reason="glibc only")
-def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path):
-    before, result = _run(tmp_path, {})
+@pytest.mark.parametrize("one_thread, expected", [(False, THP), (True, KEEP)])
+def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path, one_thread, expected):
+    before, result = _run(tmp_path, {"ONE_THREAD": str(int(one_thread))})
     assert before == ["start", "start"]  # ran twice: the original and the re-executed image
     assert result["argv"] == ["--flag", "a b"]
-    assert result["tunables"] == TUNABLE
+    assert result["tunables"] == expected
 
 
 def test_reexec_skipped_when_opted_out_or_already_set(tmp_path):
     before, result = _run(tmp_path, {OPT_OUT_VAR: "0"})
     assert before == ["start"] and result["tunables"] is None
-    before, result = _run(tmp_path, {"GLIBC_TUNABLES": TUNABLE})
-    assert before == ["start"] and result["tunables"] == TUNABLE
+    before, result = _run(tmp_path, {"GLIBC_TUNABLES": THP})
+    assert before == ["start"] and result["tunables"] == THP

@@ -3,6 +3,9 @@
 Defaults give a small GPT that trains in a few minutes on a 2-core CPU machine, both under
 ``mpirun -n 8`` (tp=2, pp=2, dp=2) and in one process (tp=pp=1). Validation depends only on
 the flags and the world size, so every rank reaches the same verdict without communicating.
+Importing this module does not import JAX: the launch path parses its flags before it
+re-executes itself with its malloc settings (``core.cpu_malloc``), so the model-side imports
+are inside the two functions that need them.
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from core.models.gpt import GPTConfig
-from core.pipeline_parallel.utils import get_num_layers_to_build
+if TYPE_CHECKING:
+    from core.models.gpt import GPTConfig
 
 
 class ArgumentError(ValueError):
@@ -131,6 +135,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel-size {dp} = {args.micro_batch_size * dp}")
+    from core.pipeline_parallel.utils import get_num_layers_to_build
+
     try:  # heads, vocabulary, layers, SP sequence: the messages name the flags
         get_num_layers_to_build(args.num_layers, pp, vpp)
         model_config(args).validate(tp, pp * (vpp or 1))
@@ -158,6 +164,8 @@ def layout_fits(args: argparse.Namespace, world_size: int) -> bool:
 
 def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe."""
+    from core.models.gpt import GPTConfig
+
     return GPTConfig(
         vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
