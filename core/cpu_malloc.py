@@ -15,9 +15,10 @@ wall. Two settings, chosen by how many threads run the process's XLA programs:
   whose pool is sized to it): one arena, no ``mmap``, no trimming, so a step's freed buffers
   stay in the process and the next step reuses them: no faults and no system time at all (one
   core, global batch 16: 259 faults and 0.05-0.07 s system time per step before, plus the
-  spikes). With several threads allocating, the one arena cost more user time than it saved
-  (one process, two devices: 1.05-1.09 -> 1.09-1.12 s per step) and fragmented to 1.5x the peak
-  memory, hence the split.
+  spikes; 4 processes on 2 cores: 1.04-1.09 -> 0.97-1.04 s per step). With several threads
+  allocating, the one arena cost more user time than it saved (one process, two devices:
+  1.05-1.09 -> 1.09-1.12 s per step; pp=2 at 2 processes: 1.43-1.45 -> 1.52-1.54 s) and
+  fragmented to 1.25-1.5x the peak memory, hence the split.
 
 Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
 interpreter once with them (first thing in a launch script, before MPI or JAX start).
