@@ -41,7 +41,8 @@ def _fail(rank: int, code: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, validate, set up the mesh, train; returns the exit code."""
+    """Parse, re-execute with the malloc settings (as a script), validate, set up the mesh, train;
+    returns the exit code."""
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
     from core.cpu_malloc import reexec_with_malloc_settings
     from core.cpu_threads import configure_cpu_threads, xla_pool_threads
