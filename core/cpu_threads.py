@@ -79,13 +79,21 @@ _FULL_AFFINITY: set[int] | None = None
 """The affinity mask :func:`configure_cpu_threads` narrowed for ``share_pool`` (None: not narrowed)."""
 
 
+def _pinned() -> bool:
+    """Whether the user asked for pinning (``MCJ_CPU_AFFINITY=1``)."""
+    return os.environ.get("MCJ_CPU_AFFINITY", "0") == "1"
+
+
+def _narrows_affinity(share_pool: bool) -> bool:
+    """Whether :func:`configure_cpu_threads` narrows this process's mask to its share before
+    JAX's backend starts (pinned for good, or for ``share_pool`` until released)."""
+    return local_process_count() > 1 and hasattr(os, "sched_setaffinity") and (_pinned() or share_pool)
+
+
 def xla_pool_threads(share_pool: bool = False) -> int:
     """How many threads XLA's CPU pool will have after :func:`configure_cpu_threads` with the same
     ``share_pool`` (the size of the affinity mask its backend will start with)."""
-    pinned = os.environ.get("MCJ_CPU_AFFINITY", "0") == "1"
-    if local_process_count() <= 1 or not (share_pool or pinned):
-        return available_cores()
-    return len(cores_for_this_process())
+    return len(cores_for_this_process()) if _narrows_affinity(share_pool) else available_cores()
 
 
 def configure_cpu_threads(share_pool: bool = False) -> int:
@@ -97,12 +105,10 @@ def configure_cpu_threads(share_pool: bool = False) -> int:
         return available_cores()
     threads = configure_xla_cpu_threads()  # from the whole mask, before it is narrowed
     global _FULL_AFFINITY
-    if hasattr(os, "sched_setaffinity") and _FULL_AFFINITY is None:
-        if os.environ.get("MCJ_CPU_AFFINITY", "0") == "1":
-            os.sched_setaffinity(0, cores_for_this_process())
-        elif share_pool:
+    if _narrows_affinity(share_pool) and _FULL_AFFINITY is None:
+        if not _pinned():  # share_pool: remember the whole mask to give back
             _FULL_AFFINITY = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, cores_for_this_process())
+        os.sched_setaffinity(0, cores_for_this_process())
     return threads
 
 
