@@ -19,11 +19,14 @@ import jax.numpy as jnp
 from jax import lax
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int = 64, chunk: int = 8) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int = 64, chunk: int = 2) -> jax.Array:
     """Causal attention on ``[b, heads, s, d]`` with softmax in float32; returns ``[b, heads, s, d]``.
 
     ``block_size`` is the query/key block (the whole sequence when it does not divide ``s``),
     ``chunk`` the (batch x head) rows per step (the largest divisor of ``b * heads`` up to it).
+    Small chunks keep each step's scores in cache: on one core at 16 x 4 heads x 256 tokens,
+    attention's forward and backward took 37 ms with chunks of 2 rows, 38-42 with 4 and 41 with 8
+    (the whole training step 0.924-0.933 vs 0.937-0.949 s, side by side).
     """
     b, n, s, d = q.shape
     rows = b * n
