@@ -1,7 +1,7 @@
 """Hand-written VJPs for the dense layers' hot ops, shaped for XLA's CPU backend.
 
 Autodiff of ``x @ W.T`` and of the tanh GELU is correct but leaves XLA's CPU backend work it
-runs slowly (a transposed-operand GEMM on Eigen instead of YNNPACK, an extra full-size tanh
+runs slowly (a transposed-operand GEMM for the widening layers, an extra full-size tanh
 buffer saved for the backward); these functions compute the same values with VJPs that avoid
 it. Measured per op in the docstrings/comments below (one core, 4096 tokens, hidden 256).
 """
@@ -34,16 +34,15 @@ def _matmul_grads(x: jax.Array, weight: jax.Array, dy: jax.Array) -> tuple[jax.A
     """``(dx, dW)`` of ``x [t, in] @ weight [out, in]^T`` for the output gradient ``dy [t, out]``."""
     nn_dims = (((1,), (0,)), ((), ()))
     dx = lax.dot_general(dy, weight, nn_dims).astype(x.dtype)
-    if jax.default_backend() != "cpu":  # GPU GEMMs take transposed operands at full speed
-        return dx, lax.dot_general(dy, x, (((0,), (0,)), ((), ()))).astype(weight.dtype)
-    # dW = dy^T @ x contracts the token dim, the leading dim of both operands. When the output
-    # is wider than the input (fc1, the fused QKV), XLA's CPU backend runs that transposed-LHS
-    # product well below the row-major one: copying x to row-major first (the transpose is in
-    # the timings) takes fc1's weight gradient 27 -> 17.6 ms and QKV's 14.7 -> 12.9 ms at 4096
-    # tokens on one core. When it is not (fc2, the output projection) the plain product is as
-    # fast or faster: fc2 16.2 vs 17.0-17.5 ms with dy copied first, proj 4.7 ms both ways.
-    # The barrier keeps XLA from folding dW's transpose back into the dot (or its output layout).
-    if dy.shape[1] <= x.shape[1]:
+    # dW = dy^T @ x contracts the token dim, the leading dim of both operands. GPU GEMMs take
+    # transposed operands at full speed, and so does XLA's CPU backend when the output is not
+    # wider than the input (fc2 16.2 ms plain vs 17.0-17.5 ms with dy copied to row-major
+    # first, the output projection 4.7 ms both ways, at 4096 tokens on one core). When it is
+    # wider (fc1, the fused QKV) the CPU runs the transposed-LHS product well below the
+    # row-major one: copying x to row-major first (the transpose is in the timings) takes fc1's
+    # weight gradient 27 -> 17.6 ms and QKV's 14.7 -> 12.9 ms. The barrier keeps XLA from
+    # folding dW's transpose back into the dot (or its output layout).
+    if jax.default_backend() != "cpu" or dy.shape[1] <= x.shape[1]:
         dw = lax.dot_general(dy, x, (((0,), (0,)), ((), ())))
     else:
         dw = lax.optimization_barrier(lax.dot_general(_row_major_transpose(x), dy, nn_dims)).T
