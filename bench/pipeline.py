@@ -3,14 +3,16 @@
     python bench/pipeline.py        # one process, 4 simulated CPU devices
 
 Stages are ``hidden x hidden`` tanh layers on ``[tokens, hidden]`` microbatches. For GPipe (the
-autodiff of the xlstm_jax-style forward scan) and 1F1B (``core.pipeline_parallel.one_f_one_b``)
-at M in {4, 8, 16}: the median of ``--steps`` jitted forward+backward calls, the measured
-bubble ``1 - t_ideal / t_step`` with ``t_ideal`` = one device running all pp stages on all M
-microbatches divided by pp (a perfect pipeline), the bubble of the executed slot grid (GPipe
-``(p-1)/(m+p-1)``, this 1F1B ``(2p-2)/(m+2p-2)``), Megatron's theoretical ``(p-1)/m`` and
-``(p-1)/(v m)``, and ``memory_analysis().temp_size_in_bytes``. Simulated devices share the
-host's cores, so step times are only indicative. Interleaved runs the functional executor
-(``forward_backward_interleaved``, vpp=2 chunks per rank, i.e. twice the layers).
+autodiff of the xlstm_jax-style forward scan) and Megatron's 1F1B order run by the table-driven
+executor (``core.pipeline_parallel.table_driven``) at M in {4, 8, 16}: the median of ``--steps``
+jitted forward+backward calls, the measured bubble ``1 - t_ideal / t_step`` with ``t_ideal`` =
+one device running all pp stages on all M microbatches divided by pp (a perfect pipeline), the
+idle share of the executed slots (GPipe ``(p-1)/(m+p-1)``; table-driven
+``Timeline.bubble_fraction()``, i.e. ``(p-1)/(m+p-1)`` for 1F1B and ``(p-1)/(v m+p-1)``
+interleaved), Megatron's theoretical ``(p-1)/m`` and ``(p-1)/(v m)``, and
+``memory_analysis().temp_size_in_bytes``. Simulated devices share the host's cores, so step
+times are only indicative. Interleaved runs the table-driven executor with vpp=2 chunks per
+rank, each a full stage (i.e. twice the layers).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     from core import parallel_state as ps
-    from core.pipeline_parallel.one_f_one_b import forward_backward_1f1b, forward_backward_interleaved
     from core.pipeline_parallel.table_driven import forward_backward_table_driven
     from core.pipeline_parallel.timeline import build_timeline
 
@@ -62,12 +63,6 @@ def main() -> None:
             _, outs = jax.lax.scan(step, jnp.zeros_like(x[0]), xs)
             return jnp.mean(jax.vmap(loss_fn)(outs[pp - 1:], t))
         return jax.value_and_grad(loss)(p)
-
-    def one_f_one_b(p, x, t):
-        return forward_backward_1f1b(stage, loss_fn, p, x, t)
-
-    def interleaved(p, x, t):
-        return forward_backward_interleaved(stage, loss_fn, p, x, t, num_model_chunks=2)
 
     def megatron_1f1b(p, x, t):  # Megatron's exact order, table-driven (params get a chunk dim of 1)
         loss, g = forward_backward_table_driven(stage, loss_fn, jax.tree.map(lambda a: a[None], p), x, t)
@@ -101,7 +96,7 @@ def main() -> None:
         return jax.value_and_grad(loss)(params)
 
     print(f"pp={pp}, tokens={args.tokens}, hidden={hid}, {args.steps} steps, {jax.devices()[0].platform}\n")
-    print("| schedule | M | step ms | ideal ms | measured bubble | slot-grid bubble | Megatron (p-1)/m | temp KiB |")
+    print("| schedule | M | step ms | ideal ms | measured bubble | slot bubble | Megatron (p-1)/m | temp KiB |")
     print("|---|---|---|---|---|---|---|---|")
     for m in map(int, args.ms.split(",")):
         x = jax.random.normal(key, (m, args.tokens, hid))
@@ -109,7 +104,6 @@ def main() -> None:
         ps_, xs, ts_ = (jax.device_put(a, single) for a in (params, x, t))
         ideal = timed(sequential, ps_, xs, ts_) / pp
         for name, fn, grid in [("GPipe", gpipe, (pp - 1) / (m + pp - 1)),
-                               ("1F1B (slot grid)", one_f_one_b, (2 * pp - 2) / (m + 2 * pp - 2)),
                                ("1F1B (Megatron order, table-driven)", megatron_1f1b,
                                 build_timeline(m, pp).bubble_fraction())]:
             f = build(fn)
@@ -118,16 +112,14 @@ def main() -> None:
             print(f"| {name} | {m} | {step * 1e3:.1f} | {ideal * 1e3:.1f} | {1 - ideal / step:.2f} | {grid:.2f} "
                   f"| {(pp - 1) / m:.2f} | {temp / 1024:.0f} |")
         # Interleaved: 2 chunks per rank, each half the width's work would need half-size stages; here each
-        # chunk is a full stage (2x the model), so compare its grid bubble and memory, not its step time.
+        # chunk is a full stage (2x the model), so compare its slot bubble and memory, not its step time.
         ip = jax.tree.map(lambda a: jnp.stack([a, a], axis=1), params)
-        for name, fn, grid in [("interleaved v=2, slot grid", interleaved, (4 * pp - 2) / (m + 4 * pp - 2)),
-                               ("interleaved v=2, Megatron order", megatron_interleaved,
-                                build_timeline(m, pp, 2).bubble_fraction())]:
-            f = build(fn)
-            temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
-            step = timed(f, ip, x, t)
-            print(f"| {name} (2x layers) | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} "
-                  f"| {1 - 2 * ideal / step:.2f} | {grid:.2f} | {(pp - 1) / (2 * m):.2f} | {temp / 1024:.0f} |")
+        grid = build_timeline(m, pp, 2).bubble_fraction()
+        f = build(megatron_interleaved)
+        temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
+        step = timed(f, ip, x, t)
+        print(f"| interleaved v=2, Megatron order (2x layers) | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} "
+              f"| {1 - 2 * ideal / step:.2f} | {grid:.2f} | {(pp - 1) / (2 * m):.2f} | {temp / 1024:.0f} |")
 
 if __name__ == "__main__":
     main()

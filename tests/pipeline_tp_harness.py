@@ -1,5 +1,5 @@
-"""1F1B x tensor-parallel MLP stages x data parallelism vs the non-pipelined model (shared by the
-single-process and the mpirun tests)."""
+"""Table-driven (interleaved) 1F1B x tensor-parallel MLP stages x data parallelism vs the non-pipelined
+model (shared by the single-process and the mpirun tests)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
-from core.pipeline_parallel.one_f_one_b import forward_backward_1f1b
 from core.pipeline_parallel.table_driven import forward_backward_table_driven
 from core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region
 
@@ -30,12 +29,11 @@ def _loss(y, t):
     return jnp.mean((y - t) ** 2)
 
 
-def run_and_compare(pp: int, tp: int, m: int, seed: int = 0, executor: str = "slot_grid",
-                    vpp: int = 1) -> tuple[np.ndarray, np.ndarray, dict, dict]:
+def run_and_compare(pp: int, tp: int, m: int, seed: int = 0, vpp: int = 1) -> tuple[np.ndarray, np.ndarray, dict, dict]:
     """Returns (loss, reference loss, grads, reference grads) as host numpy, on every process.
 
-    ``executor``: ``"slot_grid"`` (one_f_one_b) or ``"table_driven"`` (Megatron's exact order, with
-    ``vpp`` model chunks per rank: chunk c of rank r is virtual stage c * pp + r).
+    Runs ``forward_backward_table_driven`` (Megatron's exact order) with ``vpp`` model chunks per
+    rank: chunk c of rank r is virtual stage c * pp + r.
     """
     state = ps.build_parallel_state(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     dp = len(jax.devices()) // (pp * tp)
@@ -52,11 +50,7 @@ def run_and_compare(pp: int, tp: int, m: int, seed: int = 0, executor: str = "sl
 
     def body(p, x, t):
         p = jax.tree.map(lambda a: a[0], p)  # this rank's [vpp, ...] chunks
-        if executor == "table_driven":
-            loss, g = forward_backward_table_driven(_tp_stage, _loss, p, x, t, num_model_chunks=vpp)
-        else:
-            loss, g = forward_backward_1f1b(_tp_stage, _loss, jax.tree.map(lambda a: a[0], p), x, t, axis_name="pp")
-            g = jax.tree.map(lambda a: a[None], g)
+        loss, g = forward_backward_table_driven(_tp_stage, _loss, p, x, t, num_model_chunks=vpp)
         g = jax.tree.map(lambda a: jax.lax.pmean(a, ("dp", "ep"))[None], g)
         return jax.lax.pmean(jax.lax.psum(loss, "pp"), ("dp", "ep")), g
 

@@ -4,8 +4,6 @@
 * ``gpipe``: the xlstm_jax GPipe API (``execute_pipeline_step``, ``execute_pipeline``, ``PipelineModule``).
 * ``timeline`` + ``table_driven``: Megatron's exact 1F1B / interleaved orders placed into global slots and
   run as one scan (Megatron's bubble); behind ``schedules``' entry points.
-* ``one_f_one_b``: earlier slot-grid executors ``forward_backward_1f1b`` and ``forward_backward_interleaved``
-  (one forward and one backward per slot; kept for comparison in ``bench/pipeline.py``).
 * ``schedules``: Megatron's ``get_forward_backward_func`` and ``forward_backward_*`` contract.
 * ``p2p_communication``: Megatron-named stage transfers on ``ppermute``.
 * ``utils``: layers per stage / chunk and layer offsets.
