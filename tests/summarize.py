@@ -5,6 +5,7 @@ single-process level plus rank 0 of the MPI level (every rank runs the same test
 counts failures on any rank. Exits 1 on any failure, a missing report, or no test run.
 """
 
+import os
 import sys
 import xml.etree.ElementTree as ET
 
@@ -44,5 +45,11 @@ def main(single: str, mpi_ranks: list[str]) -> int:
     return 1 if failed or passed == 0 else 0
 
 
+def _rank(path: str) -> int:
+    """The rank in a ``mpi.rank<N>.xml`` report name."""
+    return int(path.rsplit("rank", 1)[1].split(".")[0])
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sorted(sys.argv[2:], key=lambda p: int(p.rsplit("rank", 1)[1].split(".")[0]))))
+    # an unmatched shell glob (the MPI level never ran) arrives as the literal pattern
+    sys.exit(main(sys.argv[1], sorted((p for p in sys.argv[2:] if os.path.exists(p)), key=_rank)))
