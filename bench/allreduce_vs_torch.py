@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import human, parse_size  # noqa: E402
-from mpi_launch import emit, launch  # noqa: E402
+from mpi_launch import emit, free_port, launch  # noqa: E402
 
 IMPLS = ("psum", "package", "torch")
 
@@ -103,13 +102,6 @@ def worker(impl: str, nbytes: int, reps: int) -> None:
               "seconds": seconds, "cpu_seconds": cpu})
 
 
-def _free_port() -> int:
-    """A TCP port nothing listens on now (the previous launch's may still be in TIME_WAIT)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _ratio(row: dict | None, torch_row: dict | None) -> str:
     """``row``'s wall time over torch's, or "-" when either is missing."""
     return f"{row['seconds'] / torch_row['seconds']:.2f}x" if row and torch_row else "-"
@@ -151,7 +143,7 @@ def main() -> None:
     for world in (int(w) for w in args.world_sizes.split(",")):
         for size in (parse_size(s) for s in args.sizes.split(",")):
             for impl in impls:
-                os.environ["MASTER_PORT"] = str(_free_port())  # torch's rendezvous; a fresh one per launch
+                os.environ["MASTER_PORT"] = str(free_port())  # torch's rendezvous; a fresh one per launch
                 rows += launch(__file__, world, ["--worker", impl, "--bytes", str(size), "--reps", str(args.reps)], 600)
     print_table(rows)
 

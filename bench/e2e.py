@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from mpi_launch import free_port  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -40,7 +43,8 @@ def run_case(world: int, script: str, flags: list[str], timeout: int) -> dict | 
     """One mpirun launch; the JSON line rank 0 prints, or None (with the error) on failure."""
     cmd = _mpirun(world) + [sys.executable, str(ROOT / "bench" / script), *flags]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        env = dict(os.environ, MASTER_PORT=str(free_port()))  # the torch peer's rendezvous
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         print(f"  timeout: {' '.join(cmd[-len(flags) - 1:])}", file=sys.stderr)
         return None

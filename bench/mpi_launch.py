@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -13,6 +14,14 @@ ROW = "ROW "
 def emit(row: dict) -> None:
     """Print one result row (call on rank 0 only)."""
     print(ROW + json.dumps(row), flush=True)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launch's torch rendezvous (``MASTER_PORT``): a
+    fixed port can still be held by the previous launch."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def launch(script: str, world: int, worker_args: list[str], timeout: int) -> list[dict]:
