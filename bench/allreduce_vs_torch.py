@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collectives import human, parse_size  # noqa: E402
-from mpi_launch import emit, free_port, launch  # noqa: E402
+from mpi_launch import emit, launch  # noqa: E402
 
 IMPLS = ("psum", "package", "torch")
 
@@ -143,7 +143,6 @@ def main() -> None:
     for world in (int(w) for w in args.world_sizes.split(",")):
         for size in (parse_size(s) for s in args.sizes.split(",")):
             for impl in impls:
-                os.environ["MASTER_PORT"] = str(free_port())  # torch's rendezvous; a fresh one per launch
                 rows += launch(__file__, world, ["--worker", impl, "--bytes", str(size), "--reps", str(args.reps)], 600)
     print_table(rows)
 

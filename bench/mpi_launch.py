@@ -29,6 +29,7 @@ def launch(script: str, world: int, worker_args: list[str], timeout: int) -> lis
     env = dict(os.environ)
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env["MASTER_PORT"] = str(free_port())  # a torch worker's rendezvous, fresh per launch
     cmd = ["mpirun", "--oversubscribe", "-n", str(world), sys.executable, os.path.abspath(script), *worker_args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode:

@@ -76,31 +76,18 @@ def test_ring_buffer_does_not_grow_with_microbatches():
 
 @pytest.mark.parametrize("vpp", [1, 2])
 def test_compiled_temp_memory_does_not_grow_with_microbatches(vpp):
-    pp, hid = 4, 64
-    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
-    params = {"w": jnp.zeros((pp, vpp, hid, hid)), "b": jnp.zeros((pp, vpp, hid))}
-
-    def temp_bytes(m):
-        x = jnp.zeros((m, 16, hid))
-
-        def body(p, x):
-            loss, g = forward_backward_table_driven(_stage, _loss, jax.tree.map(lambda a: a[0], p), x, x,
-                                                    num_model_chunks=vpp)
-            return loss, jax.tree.map(lambda a: a[None], g)
-
-        fn = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P()), out_specs=(P(), P("pp")),
-                                   check_vma=False))
-        return fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes
-
-    small, large = temp_bytes(2 * pp), temp_bytes(8 * pp)
+    pp = 4
+    small, large = _temp_bytes(2 * pp, pp, "table_driven", vpp), _temp_bytes(8 * pp, pp, "table_driven", vpp)
     assert large <= 1.1 * small, (small, large)
 
 
-def _temp_bytes(m, pp, schedule):
-    """Compiled temp memory of one forward-backward step with ``m`` microbatches."""
+def _temp_bytes(m, pp, schedule, vpp=1):
+    """Compiled temp memory of one forward-backward step with ``m`` microbatches: ``schedule`` is
+    ``"table_driven"`` (``vpp`` model chunks per rank) or ``"gpipe"``."""
     state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
     hid = 64
-    params = {"w": jnp.zeros((pp, hid, hid)), "b": jnp.zeros((pp, hid))}
+    chunks = (vpp,) if schedule == "table_driven" else ()  # the executor takes [num_model_chunks, ...] params
+    params = {"w": jnp.zeros((pp, *chunks, hid, hid)), "b": jnp.zeros((pp, *chunks, hid))}
     x = jnp.zeros((m, 16, hid))
 
     def gpipe(p, x):
@@ -117,13 +104,12 @@ def _temp_bytes(m, pp, schedule):
             return jnp.mean(outs[pp - 1:] ** 2)
         return jax.value_and_grad(loss)(p)
 
-    def table_driven_1f1b(p, x):
-        # The table-driven executor takes [num_model_chunks, ...] params: one chunk here. The targets are
-        # the input (an argument): a jnp.zeros_like(x) target would be materialised, [M, ...] of temp memory.
-        loss, g = forward_backward_table_driven(_stage, _loss, jax.tree.map(lambda a: a[None], p), x, x)
-        return loss, jax.tree.map(lambda a: a[0], g)
+    def table_driven(p, x):
+        # The targets are the input (an argument): a jnp.zeros_like(x) target would be materialised,
+        # [M, ...] of temp memory.
+        return forward_backward_table_driven(_stage, _loss, p, x, x, num_model_chunks=vpp)
 
-    fn = gpipe if schedule == "gpipe" else table_driven_1f1b
+    fn = gpipe if schedule == "gpipe" else table_driven
 
     def body(p, x):
         loss, g = fn(jax.tree.map(lambda a: a[0], p), x)
@@ -136,7 +122,7 @@ def _temp_bytes(m, pp, schedule):
 
 def test_1f1b_memory_flat_in_microbatches_gpipe_grows():
     pp = 2
-    f_small, f_big = _temp_bytes(pp, pp, "1f1b"), _temp_bytes(8 * pp, pp, "1f1b")
+    f_small, f_big = _temp_bytes(pp, pp, "table_driven"), _temp_bytes(8 * pp, pp, "table_driven")
     g_small, g_big = _temp_bytes(pp, pp, "gpipe"), _temp_bytes(8 * pp, pp, "gpipe")
     act = 16 * 64 * 4  # one microbatch activation in bytes
     # 1F1B: ring buffers of timeline.buffer_size inputs whatever M; GPipe stores every slot's activations.
