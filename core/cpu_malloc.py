@@ -8,17 +8,24 @@ wall. Two settings, chosen by how many threads run the process's XLA programs:
 
 * :data:`THP_TUNABLES` (several threads): glibc asks for transparent huge pages (``madvise``) on
   those mappings: 2-3k faults, 0.2 s system time, 2.0-2.1 s wall, the same peak memory. The
-  kernel still zeroes every huge page of every fresh mapping (about 830 faults, 0.15 s of system
-  time per step of the same GPT today) and now and then compacts memory to find huge pages
-  (0.4-0.5 s system-time spikes in one step of three to six).
+  kernel still zeroes every huge page of every fresh mapping and now and then compacts memory
+  to find huge pages (0.4-0.5 s system-time spikes in one step of three to six). The fresh
+  mappings are the step's temp block, one per device (472 MB each for the GPT at one process,
+  batch 32, two devices): the device's thread allocates it from its own arena, and glibc serves
+  a block larger than a thread arena's 64 MiB heap with ``mmap`` whatever ``mmap_max`` says, so
+  it is mapped and unmapped every step (``strace``): ~1440 faults, 0.13-0.19 s of system time
+  per step.
 * :data:`KEEP_FREED_TUNABLES` (one thread: a process whose share of the host is one core and
   whose pool is sized to it): one arena, no ``mmap``, no trimming, so a step's freed buffers
   stay in the process and the next step reuses them: no faults and no system time at all (one
   core, global batch 16: 259 faults and 0.05-0.07 s system time per step before, plus the
   spikes; 4 processes on 2 cores: 1.04-1.09 -> 0.97-1.04 s per step). With several threads
-  allocating, the one arena cost more user time than it saved (one process, two devices:
-  1.05-1.09 -> 1.09-1.12 s per step; pp=2 at 2 processes: 1.43-1.45 -> 1.52-1.54 s) and
-  fragmented to 1.25-1.5x the peak memory, hence the split.
+  allocating, the one arena cost more than it saved (one process, two devices: 1.05-1.09 ->
+  1.09-1.12 s per step; pp=2 at 2 processes: 1.43-1.45 -> 1.52-1.54 s) and fragmented to
+  1.25-1.5x the peak memory, hence the split. Re-measured 2026-11-24 (one process, two
+  devices, 7 interleaved pairs): no faults and 0.01 s of system time, but 1.07-1.31 vs
+  1.00-1.11 s per step, the device threads idle ~10% of the step waiting on the one arena's
+  lock (CPU time 2.1-2.2 s per step either way); a larger ``tcache_count`` does not help.
 
 Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
 interpreter once with them (first thing in a launch script, before MPI or JAX start).
