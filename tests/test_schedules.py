@@ -73,6 +73,44 @@ def test_no_pipelining_equals_reference(per_token):
         np.testing.assert_allclose(grads[k], want[k][0], rtol=1e-5, atol=1e-6)
 
 
+def test_no_pipelining_forward_only_returns_the_losses():
+    params, x, t = _data(1, 3)
+    p0 = jax.tree.map(lambda a: a[0], params)
+    it = iter([{"x": x[i], "t": t[i]} for i in range(3)])
+    losses, grads, ntok = schedules.forward_backward_no_pipelining(
+        forward_step_func=_forward_step(False), data_iterator=it, model=(_stage, p0), num_microbatches=3,
+        forward_only=True)
+    (_, per_mb), _ = _reference(params, x, t, False)
+    assert grads is None and ntok is None
+    np.testing.assert_allclose([d["lm loss"] for d in losses], per_mb, rtol=1e-6)
+
+
+def _wide_stage(p, x):
+    for _ in range(4):  # four layers whose [rows, 8 hid] activations dwarf the [rows, hid] data
+        x = jnp.tanh(jnp.tanh(x @ p["up"]) @ p["down"])
+    return x
+
+
+def _no_pipelining_temp_bytes(m, rows=256, hid=32):
+    params = {"up": jnp.zeros((hid, 8 * hid)), "down": jnp.zeros((8 * hid, hid))}
+
+    def step(p, x):
+        it = iter([{"x": x[i], "t": x[i]} for i in range(m)])
+        return schedules.forward_backward_no_pipelining(
+            forward_step_func=_forward_step(False), data_iterator=it, model=(_wide_stage, p), num_microbatches=m)[1]
+
+    return jax.jit(step).lower(params, jnp.zeros((m, rows, hid))).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_no_pipelining_activation_memory_is_one_microbatch():
+    """Gradient accumulation, as Megatron's loop: temp memory does not grow with the microbatch
+    count beyond the stacked data (all microbatches at once, a ``vmap``, measured 7.4 -> 29.5 MiB
+    for 4 -> 16 microbatches; one at a time 1.4 MiB both)."""
+    small, large = _no_pipelining_temp_bytes(4), _no_pipelining_temp_bytes(16)
+    data = 256 * 32 * 4  # one microbatch's input, bytes
+    assert large - small <= 12 * 3 * data, (small, large)
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("mult", [1, 2])
 @pytest.mark.parametrize("per_token,forward_only", [(False, False), (True, False), (False, True)])

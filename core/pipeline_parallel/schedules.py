@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from core import parallel_state as ps
 from core.pipeline_parallel.table_driven import execute_schedule, split_loss
@@ -47,7 +48,12 @@ def _unstack(stacked: dict, n: int) -> list[dict]:
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator, model: tuple,
                                    num_microbatches: int, seq_length: int | None = None,
                                    micro_batch_size: int | None = None, forward_only: bool = False):
-    """All microbatches through the whole model on this rank; grads accumulated over microbatches."""
+    """All microbatches through the whole model on this rank, one after another, grads accumulated.
+
+    As Megatron's loop, a ``lax.scan`` runs one microbatch's forward and backward per iteration,
+    so activation memory is one microbatch's whatever ``num_microbatches`` (the point of
+    gradient accumulation).
+    """
     del seq_length, micro_batch_size  # shapes come from the data in JAX
     stage_fn, params = model
     data = _take(data_iterator, num_microbatches)
@@ -57,15 +63,17 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
         loss, nt, rd = split_loss(loss_func(out), num_microbatches)
         return loss, (nt if nt is not None else jnp.zeros(()), rd)
 
-    def total(p):
-        losses, (nts, rds) = jax.vmap(lambda d: one(p, d))(data)
-        return jnp.sum(losses), (nts, rds)
+    def forward(acc, d):
+        return acc, one(params, d)[1]
+
+    def forward_backward(acc, d):
+        (_, aux), grads = jax.value_and_grad(one, has_aux=True)(params, d)
+        return jax.tree.map(jnp.add, acc, grads), aux
 
     if forward_only:
-        _, (nts, rds) = total(params)
-        grads = None
+        grads, (nts, rds) = lax.scan(forward, None, data)
     else:
-        (_, (nts, rds)), grads = jax.value_and_grad(total, has_aux=True)(params)
+        grads, (nts, rds) = lax.scan(forward_backward, jax.tree.map(jnp.zeros_like, params), data)
     d0 = jax.tree.map(lambda a: a[0], data)
     per_token = _returns_num_tokens(forward_step_func, d0, stage_fn, params)  # traced once; dead code for XLA
     return _unstack(rds, num_microbatches), grads, (jnp.sum(nts) if per_token else None)
