@@ -57,14 +57,19 @@ def test_get_forward_backward_func_picks_by_state():
         assert schedules.get_forward_backward_func(state) is want
 
 
+def _no_pipelining(per_token, forward_only=False, m=3):
+    """(losses, grads, num_tokens) of the no-pipelining schedule on ``m`` microbatches, and the data."""
+    params, x, t = _data(1, m)
+    it = iter([{"x": x[i], "t": t[i]} for i in range(m)])
+    out = schedules.forward_backward_no_pipelining(
+        forward_step_func=_forward_step(per_token), data_iterator=it, model=(_stage, jax.tree.map(lambda a: a[0], params)),
+        num_microbatches=m, seq_length=MB, micro_batch_size=1, forward_only=forward_only)
+    return out, (params, x, t)
+
+
 @pytest.mark.parametrize("per_token", [False, True])
 def test_no_pipelining_equals_reference(per_token):
-    params, x, t = _data(1, 3)
-    p0 = jax.tree.map(lambda a: a[0], params)
-    it = iter([{"x": x[i], "t": t[i]} for i in range(3)])
-    losses, grads, ntok = schedules.forward_backward_no_pipelining(
-        forward_step_func=_forward_step(per_token), data_iterator=it, model=(_stage, p0), num_microbatches=3,
-        seq_length=MB, micro_batch_size=1)
+    (losses, grads, ntok), (params, x, t) = _no_pipelining(per_token)
     (_, per_mb), want = _reference(params, x, t, per_token)
     assert len(losses) == 3
     if per_token:
@@ -74,12 +79,7 @@ def test_no_pipelining_equals_reference(per_token):
 
 
 def test_no_pipelining_forward_only_returns_the_losses():
-    params, x, t = _data(1, 3)
-    p0 = jax.tree.map(lambda a: a[0], params)
-    it = iter([{"x": x[i], "t": t[i]} for i in range(3)])
-    losses, grads, ntok = schedules.forward_backward_no_pipelining(
-        forward_step_func=_forward_step(False), data_iterator=it, model=(_stage, p0), num_microbatches=3,
-        forward_only=True)
+    (losses, grads, ntok), (params, x, t) = _no_pipelining(False, forward_only=True)
     (_, per_mb), _ = _reference(params, x, t, False)
     assert grads is None and ntok is None
     np.testing.assert_allclose([d["lm loss"] for d in losses], per_mb, rtol=1e-6)
