@@ -1,36 +1,39 @@
-"""glibc malloc settings for XLA's CPU runtime: huge pages, and keeping freed memory in one-thread processes.
+"""glibc malloc settings for XLA's CPU runtime: huge pages, and freed memory kept for the next step.
 
 XLA's CPU runtime allocates each step's large buffers with ``malloc``; glibc serves them with
 ``mmap`` and ``munmap``-s them on free, so every step page-faults its working set in again, 4 KiB
 at a time. Measured on the end-to-end GPT (4 layers, hidden 256, batch 32 x 256, one process,
 2 cores): 285k minor faults (1.1 GB) and 0.7-0.9 s of system time per forward-backward, 2.8-3.1 s
-wall. Two settings, chosen by how many threads run the process's XLA programs:
+wall. The settings, chosen by how many threads run the process's XLA programs:
 
-* :data:`THP_TUNABLES` (several threads): glibc asks for transparent huge pages (``madvise``) on
-  those mappings: 2-3k faults, 0.2 s system time, 2.0-2.1 s wall, the same peak memory. The
-  kernel still zeroes every huge page of every fresh mapping and now and then compacts memory
-  to find huge pages (0.4-0.5 s system-time spikes in one step of three to six). The fresh
-  mappings are the step's temp block, one per device (472 MB each for the GPT at one process,
-  batch 32, two devices): the device's thread allocates it from its own arena, and glibc serves
-  a block larger than a thread arena's 64 MiB heap with ``mmap`` whatever ``mmap_max`` says, so
-  it is mapped and unmapped every step (``strace``): ~1440 faults, 0.13-0.19 s of system time
-  per step.
+* both: transparent huge pages (``hugetlb=1``: glibc ``madvise``-s its mappings), no ``mmap``
+  for large blocks and no trimming (``mmap_max=0``, a 64 GiB ``trim_threshold``), and a 64 MiB
+  ``top_pad``, which keeps glibc from deleting a thread arena's heap once all of it is free; so a
+  step's freed buffers stay in the process and the next step reuses them.
+* :data:`THREAD_ARENA_TUNABLES` (several threads: one process with several devices, pipeline
+  layouts with the full pool): each thread keeps its own arena. A thread arena grows in heaps of
+  at most 64 MiB, and glibc ``mmap``-s any larger block whatever ``mmap_max`` says: each device's
+  temp block (472 MB for the GPT at one process, two devices) was mapped, zeroed by the kernel
+  and unmapped every step (``strace``: ~1440 faults, 0.13-0.19 s of system time per step, ~7% of
+  the two cores). :data:`XLA_HEAP_FLAG` makes XLA split each program's temp into heaps of about
+  32 MiB (the same 472 MB in all; XLA's ``xla_multiheap_size_constraint_per_heap``), which fit
+  in a thread arena's heaps: no faults and no system time per step. One process, two devices,
+  6 interleaved pairs on 2026-11-25: 1.12-1.22 -> 1.01-1.12 s per step (medians 1.18 -> 1.06;
+  5 pairs faster, 1 level); peak memory 1712 -> 1926-1983 MiB (the arenas keep what they held).
 * :data:`KEEP_FREED_TUNABLES` (one thread: a process whose share of the host is one core and
-  whose pool is sized to it): one arena, no ``mmap``, no trimming, so a step's freed buffers
-  stay in the process and the next step reuses them: no faults and no system time at all (one
-  core, global batch 16: 259 faults and 0.05-0.07 s system time per step before, plus the
-  spikes; 4 processes on 2 cores: 1.04-1.09 -> 0.97-1.04 s per step). With several threads
-  allocating, the one arena cost more than it saved (one process, two devices: 1.05-1.09 ->
-  1.09-1.12 s per step; pp=2 at 2 processes: 1.43-1.45 -> 1.52-1.54 s) and fragmented to
-  1.25-1.5x the peak memory, hence the split. Re-measured 2026-11-24 (one process, two
-  devices, 7 interleaved pairs): no faults and 0.01 s of system time, but 1.07-1.31 vs
-  1.00-1.11 s per step, the device threads idle ~10% of the step waiting on the one arena's
-  lock (CPU time 2.1-2.2 s per step either way); a larger ``tcache_count`` does not help.
+  whose pool is sized to it): also one arena (``arena_max=1``), so every block comes from the
+  main heap (one core, global batch 16: 259 faults and 0.05-0.07 s system time per step before,
+  plus 0.4-0.5 s spikes when the kernel compacted memory for huge pages; 4 processes on 2
+  cores: 1.04-1.09 -> 0.97-1.04 s per step). With several threads allocating, the one arena
+  cost more than it saved: the device threads waited ~10% of the step on its lock (one
+  process, two devices, 7 interleaved pairs on 2026-11-24: 1.07-1.31 vs 1.00-1.11 s per step),
+  and it fragmented to 1.25-1.5x the peak memory.
 
 Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
-interpreter once with them (first thing in a launch script, before MPI or JAX start).
-``MCJ_MALLOC_TUNING=0`` opts out; a tunable the user set keeps the user's value. Needs glibc >=
-2.35 (and for the huge pages the kernel's THP mode ``madvise`` or ``always``); elsewhere inert.
+interpreter once with them (first thing in a launch script, before MPI or JAX start); it adds
+:data:`XLA_HEAP_FLAG` to ``XLA_FLAGS`` too. ``MCJ_MALLOC_TUNING=0`` opts out; a tunable or XLA
+flag the user set keeps the user's value. Needs glibc >= 2.35 (and for the huge pages the
+kernel's THP mode ``madvise`` or ``always``); elsewhere inert.
 """
 
 from __future__ import annotations
@@ -39,33 +42,42 @@ import os
 import sys
 from collections.abc import Mapping
 
-THP_TUNABLES = ("glibc.malloc.hugetlb=1",)
-"""Tunables for processes whose XLA programs run on several threads: ``madvise(MADV_HUGEPAGE)``
-on malloc's mappings."""
-
-KEEP_FREED_TUNABLES = (
-    "glibc.malloc.hugetlb=1",
-    "glibc.malloc.arena_max=1",  # other threads' arenas would still mmap blocks over 64 MiB
-    "glibc.malloc.mmap_max=0",  # large blocks come from the heap and go back to it
-    "glibc.malloc.trim_threshold=68719476736",  # and the heap is not given back to the kernel
+THREAD_ARENA_TUNABLES = (
+    "glibc.malloc.hugetlb=1",  # transparent huge pages on malloc's memory
+    "glibc.malloc.mmap_max=0",  # blocks come from the arenas' heaps and go back to them
+    "glibc.malloc.trim_threshold=68719476736",  # and the heaps are not given back to the kernel
+    "glibc.malloc.top_pad=67108864",  # not even a thread arena's heap that became all free
 )
-"""Tunables for processes whose XLA programs run on one thread: freed memory stays for the next step."""
+"""Tunables for processes whose XLA programs run on several threads: each thread's arena keeps
+what the step freed (with :data:`XLA_HEAP_FLAG`, every block fits in an arena's heap)."""
+
+KEEP_FREED_TUNABLES = ("glibc.malloc.arena_max=1",) + THREAD_ARENA_TUNABLES
+"""Tunables for processes whose XLA programs run on one thread: one arena, freed memory stays for the next step."""
+
+XLA_HEAP_FLAG = "--xla_multiheap_size_constraint_per_heap=33554432"
+"""XLA flag: split each program's temp buffer into heaps of about 32 MiB (a thread arena's heap is 64 MiB)."""
 
 OPT_OUT_VAR = "MCJ_MALLOC_TUNING"
 """Set to ``0`` to skip the malloc settings."""
 
 
 def malloc_settings_update(environ: Mapping[str, str], one_thread: bool = False) -> dict[str, str]:
-    """The ``GLIBC_TUNABLES`` update that adds the settings for a process whose XLA programs run on
-    one thread (``one_thread``) or several; tunables already set keep their value. Empty when
-    nothing is missing or the user opted out."""
+    """The ``GLIBC_TUNABLES`` / ``XLA_FLAGS`` update that adds the settings for a process whose XLA
+    programs run on one thread (``one_thread``) or several; tunables and the XLA flag the user
+    already set keep their value. Empty when nothing is missing or the user opted out."""
     if environ.get(OPT_OUT_VAR, "1") == "0":
         return {}
+    update = {}
     current = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t]
     present = {t.split("=", 1)[0] for t in current}
-    wanted = KEEP_FREED_TUNABLES if one_thread else THP_TUNABLES
+    wanted = KEEP_FREED_TUNABLES if one_thread else THREAD_ARENA_TUNABLES
     missing = [t for t in wanted if t.split("=", 1)[0] not in present]
-    return {"GLIBC_TUNABLES": ":".join(current + missing)} if missing else {}
+    if missing:
+        update["GLIBC_TUNABLES"] = ":".join(current + missing)
+    flags = environ.get("XLA_FLAGS", "")
+    if XLA_HEAP_FLAG.split("=", 1)[0] not in flags:
+        update["XLA_FLAGS"] = f"{flags} {XLA_HEAP_FLAG}".strip()
+    return update
 
 
 def is_glibc_linux() -> bool:
@@ -79,19 +91,20 @@ def is_glibc_linux() -> bool:
 
 
 def reexec_with_malloc_settings(one_thread: bool = False) -> None:
-    """Re-execute this Python process with the malloc settings added when any is missing.
+    """Re-execute this Python process with the malloc settings added when a tunable is missing.
 
     ``one_thread``: this process's XLA programs will run on one thread (see
-    :func:`core.cpu_threads.xla_pool_threads`). A no-op off glibc Linux, when opted out, or when
-    the settings are already present (so it re-executes at most once). Call first thing in a
-    launch script, before it changes the process's CPU affinity: the process image is replaced.
+    :func:`core.cpu_threads.xla_pool_threads`). A no-op off glibc Linux or when opted out; when
+    only the XLA flag is missing it is set without a re-exec (XLA reads it when its backend
+    starts), so the process re-executes at most once. Call first thing in a launch script,
+    before JAX starts or the process's CPU affinity changes: the process image is replaced.
     """
     if not is_glibc_linux():
         return
     update = malloc_settings_update(os.environ, one_thread)
-    if not update:
-        return
     os.environ.update(update)
+    if "GLIBC_TUNABLES" not in update:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
