@@ -36,9 +36,10 @@ KEEP = ":".join(KEEP_FREED_TUNABLES)
 
 def test_update_adds_tunables_for_the_thread_count():
     assert malloc_settings_update({}) == {"GLIBC_TUNABLES": THREAD, "XLA_FLAGS": XLA_HEAP_FLAG}
-    assert malloc_settings_update({}, one_thread=True) == {"GLIBC_TUNABLES": KEEP, "XLA_FLAGS": XLA_HEAP_FLAG}
+    assert malloc_settings_update({}, one_thread=True) == {"GLIBC_TUNABLES": KEEP}  # one arena: no heap split
     assert "glibc.malloc.arena_max=1" in KEEP and "arena_max" not in THREAD
-    for tunable in ("glibc.malloc.mmap_max=0", "hugetlb=1", "glibc.malloc.top_pad=67108864"):
+    assert "glibc.malloc.top_pad=67108864" in THREAD
+    for tunable in ("glibc.malloc.mmap_max=0", "hugetlb=1", "glibc.malloc.trim_threshold=68719476736"):
         assert tunable in KEEP and tunable in THREAD
 
 
@@ -62,7 +63,7 @@ def test_update_keeps_user_tunables_and_respects_opt_out():
     tunables = update["GLIBC_TUNABLES"].split(":")
     assert tunables[0] == "glibc.malloc.arena_max=4" and "glibc.malloc.arena_max=1" not in tunables
     assert set(KEEP_FREED_TUNABLES) - set(tunables) == {"glibc.malloc.arena_max=1"}
-    assert malloc_settings_update({"GLIBC_TUNABLES": KEEP}, one_thread=True) == flag
+    assert malloc_settings_update({"GLIBC_TUNABLES": KEEP}, one_thread=True) == {}
     assert malloc_settings_update({OPT_OUT_VAR: "0"}) == {}
     assert malloc_settings_update({OPT_OUT_VAR: "0"}, one_thread=True) == {}
 
@@ -78,12 +79,12 @@ def _run(tmp_path, extra_env: dict[str, str]) -> tuple[list[str], dict]:
 
 
 @pytest.mark.skipif(not is_glibc_linux(), reason="glibc only")
-@pytest.mark.parametrize("one_thread, expected", [(False, THREAD), (True, KEEP)])
-def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path, one_thread, expected):
+@pytest.mark.parametrize("one_thread, expected, flags", [(False, THREAD, XLA_HEAP_FLAG), (True, KEEP, None)])
+def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path, one_thread, expected, flags):
     before, result = _run(tmp_path, {"ONE_THREAD": str(int(one_thread))})
     assert before == ["start", "start"]  # ran twice: the original and the re-executed image
     assert result["argv"] == ["--flag", "a b"]
-    assert result["tunables"] == expected and result["xla_flags"] == XLA_HEAP_FLAG
+    assert result["tunables"] == expected and result["xla_flags"] == flags
 
 
 def test_reexec_skipped_when_opted_out_or_already_set(tmp_path):
