@@ -27,15 +27,15 @@ wall. The settings, chosen by how many threads run the process's XLA programs:
   0.4-0.5 s spikes when the kernel compacted memory for huge pages; 4 processes on 2 cores:
   1.04-1.09 -> 0.97-1.04 s per step). No XLA flag there: split heaps only fragment the one
   arena (tp=2 at 2 processes, 2 pairs: 1.30-1.32 s per step either way, peak memory 1252-1255
-  -> 1844-1855 MiB with the flag). With several threads allocating, the one arena
-  cost more than it saved: the device threads waited ~10% of the step on its lock (one
-  process, two devices, 7 interleaved pairs on 2026-11-24: 1.07-1.31 vs 1.00-1.11 s per step),
-  and it fragmented to 1.25-1.5x the peak memory.
+  -> 1844-1855 MiB with the flag). With several threads allocating, the one arena cost more
+  than it saved: the device threads waited ~10% of the step on its lock (one process, two
+  devices, 7 interleaved pairs on 2026-11-24: 1.07-1.31 vs 1.00-1.11 s per step), and it
+  fragmented to 1.25-1.5x the peak memory.
 
 Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
-interpreter once with them (first thing in a launch script, before MPI or JAX start); it adds
-:data:`XLA_HEAP_FLAG` to ``XLA_FLAGS`` for several threads. ``MCJ_MALLOC_TUNING=0`` opts out; a tunable or XLA
-flag the user set keeps the user's value. Needs glibc >= 2.35 (and for the huge pages the
+interpreter once with them (first thing in a launch script, before MPI or JAX start); for
+several threads it also adds :data:`XLA_HEAP_FLAG` to ``XLA_FLAGS``. ``MCJ_MALLOC_TUNING=0`` opts
+out; a tunable or XLA flag the user set keeps the user's value. Needs glibc >= 2.35 (and for the huge pages the
 kernel's THP mode ``madvise`` or ``always``); elsewhere inert.
 """
 
@@ -45,21 +45,19 @@ import os
 import sys
 from collections.abc import Mapping
 
-THREAD_ARENA_TUNABLES = (
+_KEEP_HEAP_TUNABLES = (
     "glibc.malloc.hugetlb=1",  # transparent huge pages on malloc's memory
     "glibc.malloc.mmap_max=0",  # blocks come from the arenas' heaps and go back to them
     "glibc.malloc.trim_threshold=68719476736",  # and the heaps are not given back to the kernel
+)
+
+THREAD_ARENA_TUNABLES = _KEEP_HEAP_TUNABLES + (
     "glibc.malloc.top_pad=67108864",  # not even a thread arena's heap that became all free
 )
 """Tunables for processes whose XLA programs run on several threads: each thread's arena keeps
 what the step freed (with :data:`XLA_HEAP_FLAG`, every block fits in an arena's heap)."""
 
-KEEP_FREED_TUNABLES = (
-    "glibc.malloc.hugetlb=1",
-    "glibc.malloc.arena_max=1",  # every block from the main heap, however large
-    "glibc.malloc.mmap_max=0",
-    "glibc.malloc.trim_threshold=68719476736",
-)
+KEEP_FREED_TUNABLES = ("glibc.malloc.arena_max=1",) + _KEEP_HEAP_TUNABLES  # every block from the main heap
 """Tunables for processes whose XLA programs run on one thread: one arena, freed memory stays for the next step."""
 
 XLA_HEAP_FLAG = "--xla_multiheap_size_constraint_per_heap=33554432"
