@@ -75,11 +75,12 @@ def test_average_in_collective_matches_prescaling(average_in_collective):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6), base, other)
 
 
-def test_nan_grad_skips_update_and_names_param_and_rank():
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_nan_grad_skips_update_and_names_param_and_rank(use_distributed_optimizer):
     state = ps.build_parallel_state()
     module = MLP()
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(check_for_nan_in_grad=True,
-                                                                       use_distributed_optimizer=True), module)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
+        check_for_nan_in_grad=True, use_distributed_optimizer=use_distributed_optimizer), module)
     x, y = make_batch(GLOBAL_BATCH)
     params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
     opt_state = ddp.init_optimizer(params)

@@ -248,14 +248,10 @@ class DistributedDataParallel:
             flags = nonfinite_flags(grad_leaves)
             reduced = finalize_model_grads(grad_leaves, meta["infos"], meta["specs"], ddp_config, state,
                                            num_tokens=tokens if per_token_loss else None)
-            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks)
+            skipped = any_rank(jnp.any(flags), state) if ddp_config.check_for_nan_in_grad else jnp.zeros((), bool)
+            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks,
+                                                      skipped if ddp_config.check_for_nan_in_grad else None)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
-            skipped = jnp.zeros((), bool)
-            if ddp_config.check_for_nan_in_grad:
-                skipped = any_rank(jnp.any(flags), state)
-                keep = lambda new, old: jnp.where(skipped, old, new)
-                new_params = jax.tree.map(keep, new_params, params)
-                new_opt = jax.tree.map(keep, new_opt, opt_state)
             if per_token_loss:
                 mean_loss = lax.psum(loss, dp_axes) / jnp.maximum(lax.psum(tokens, dp_axes), 1.0)
             else:

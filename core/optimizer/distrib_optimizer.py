@@ -158,9 +158,14 @@ class DistributedOptimizer:
 
     def step(
         self, opt_state: dict[str, Any], grad_shards: Sequence[Buckets], param_leaves: Sequence[jax.Array],
-        masks: dict[str, Any],
+        masks: dict[str, Any], skip: jax.Array | None = None,
     ) -> tuple[dict[int, jax.Array], dict[str, Any], jax.Array]:
-        """Clip, step the shards, gather. Returns ({leaf index: new param}, new state, grad norm)."""
+        """Clip, step the shards, gather. Returns ({leaf index: new param}, new state, grad norm).
+
+        ``skip`` (a bool scalar, the same on every rank) leaves params and state unchanged. It
+        selects the update in a ``lax.cond``: on CPU a ``jnp.where`` between old and new values
+        costs two extra passes over the optimizer state and copies of it every step.
+        """
         grad_norm = self.grad_norm(grad_shards, masks)
         grads = tuple(tuple(g.astype(jnp.float32) for g in bs) for bs in grad_shards)
         if self.clip_grad > 0:
@@ -169,8 +174,17 @@ class DistributedOptimizer:
         current = self._param_shards(param_leaves)
         current = tuple(m if m else c for m, c in zip(opt_state["master"], current, strict=True))
         decay = tuple(tuple(self._shard(m, s) for m in ms) for s, ms in zip(self.specs, masks["decay"], strict=True))
-        updates, inner = self._tx(decay).update(grads, opt_state["inner"], current)
-        new_shards = optax.apply_updates(current, updates)
+
+        def update(operands):
+            grads, inner, current = operands
+            updates, inner = self._tx(decay).update(grads, inner, current)
+            return optax.apply_updates(current, updates), inner
+
+        operands = (grads, opt_state["inner"], current)
+        if skip is None:
+            new_shards, inner = update(operands)
+        else:
+            new_shards, inner = lax.cond(skip, lambda ops: (ops[2], ops[1]), update, operands)
         new_leaves: dict[int, jax.Array] = {}
         for spec, shards in zip(self.specs, new_shards, strict=True):
             # Gather in the param dtype, as Megatron gathers param_data (bf16).
