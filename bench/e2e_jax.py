@@ -156,8 +156,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     from core.cpu_malloc import reexec_with_malloc_settings
-    from core.cpu_threads import xla_pool_threads
 
-    # as the package's launch path does: the settings follow the threads XLA's pool will have
-    reexec_with_malloc_settings(one_thread=xla_pool_threads(share_pool=_args().pp == 1) == 1)
+    reexec_with_malloc_settings()  # as the package's launch path does
     main()

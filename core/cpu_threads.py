@@ -90,12 +90,6 @@ def _narrows_affinity(share_pool: bool) -> bool:
     return local_process_count() > 1 and hasattr(os, "sched_setaffinity") and (_pinned() or share_pool)
 
 
-def xla_pool_threads(share_pool: bool = False) -> int:
-    """How many threads XLA's CPU pool will have after :func:`configure_cpu_threads` with the same
-    ``share_pool`` (the size of the affinity mask its backend will start with)."""
-    return len(cores_for_this_process()) if _narrows_affinity(share_pool) else available_cores()
-
-
 def configure_cpu_threads(share_pool: bool = False) -> int:
     """Size thread pools to this process's share of the cores (call before JAX starts its
     backend). With ``MCJ_CPU_AFFINITY=1`` pin the process to :func:`cores_for_this_process`;

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     returns the exit code."""
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
     from core.cpu_malloc import reexec_with_malloc_settings
-    from core.cpu_threads import configure_cpu_threads, xla_pool_threads
+    from core.cpu_threads import configure_cpu_threads
     from core.training.arguments import ArgumentError, fill_defaults, layout_fits, parse_args, validate_args
 
     args = parse_args(argv)
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     # get a thread pool of their share's size.
     share_pool = args.pipeline_model_parallel_size == 1
     if argv is None:  # run as a script: glibc reads its malloc settings at start-up only
-        reexec_with_malloc_settings(one_thread=xla_pool_threads(share_pool) == 1)
+        reexec_with_malloc_settings()
     devices = cpu_devices_per_process(lambda n: layout_fits(args, processes * n))
     configure_cpu_devices(devices)
     configure_cpu_threads(share_pool)  # before JAX starts its CPU backend

@@ -70,16 +70,3 @@ def test_share_pool_narrows_until_released(host, monkeypatch):
     assert len(calls) == 3
     cpu_threads.configure_cpu_threads(share_pool=False)  # pipeline layouts keep the whole mask
     assert len(calls) == 3
-
-
-@pytest.mark.parametrize("size,share_pool,pinned,threads", [
-    (1, True, False, 8), (8, True, False, 1), (4, True, False, 2), (16, True, False, 1),
-    (8, False, False, 8),  # pipeline layouts keep the whole mask
-    (8, False, True, 1),  # pinned: the share, whatever the layout
-])
-def test_xla_pool_threads_is_the_mask_the_backend_starts_with(host, monkeypatch, size, share_pool, pinned, threads):
-    """What ``core.cpu_malloc`` chooses its settings from: the size of the mask
-    ``configure_cpu_threads`` leaves for XLA's backend."""
-    monkeypatch.setenv("MCJ_CPU_AFFINITY", "1" if pinned else "0")
-    host(size, size - 1)
-    assert cpu_threads.xla_pool_threads(share_pool) == threads
