@@ -248,9 +248,9 @@ class DistributedDataParallel:
             flags = nonfinite_flags(grad_leaves)
             reduced = finalize_model_grads(grad_leaves, meta["infos"], meta["specs"], ddp_config, state,
                                            num_tokens=tokens if per_token_loss else None)
-            skipped = any_rank(jnp.any(flags), state) if ddp_config.check_for_nan_in_grad else jnp.zeros((), bool)
-            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks,
-                                                      skipped if ddp_config.check_for_nan_in_grad else None)
+            skip = any_rank(jnp.any(flags), state) if ddp_config.check_for_nan_in_grad else None
+            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks, skip)
+            skipped = jnp.zeros((), bool) if skip is None else skip
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             if per_token_loss:
                 mean_loss = lax.psum(loss, dp_axes) / jnp.maximum(lax.psum(tokens, dp_axes), 1.0)
