@@ -129,7 +129,7 @@ class DistributedDataParallel:
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
         self._metadata = {
             "treedef": treedef, "infos": infos, "specs": specs, "param_specs": specs_tree, "paths": paths,
-            "masks": BufferMasks.build(specs, infos).as_arrays(),
+            "masks": BufferMasks.build(specs, infos).as_arrays(NamedSharding(self.mesh, P())),
             "optimizer": DistributedOptimizer(self.optimizer_spec, specs, self.state, self.ddp_config,
                                               self.learning_rate),
         }

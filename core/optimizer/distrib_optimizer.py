@@ -73,9 +73,12 @@ class BufferMasks:
             pp_split=masks(lambda i: PP_AXIS in spec_axes[i]),
         )
 
-    def as_arrays(self) -> dict[str, Any]:
-        """The masks as a pytree of jnp arrays (pass them to the jitted step as an argument)."""
-        return {f.name: jax.tree.map(jnp.asarray, getattr(self, f.name)) for f in dataclasses.fields(self)}
+    def as_arrays(self, sharding: jax.sharding.Sharding) -> dict[str, Any]:
+        """The masks as a pytree of arrays placed with ``sharding`` (the step's replicated
+        ``NamedSharding(mesh, P())``; an array on one device would be copied to every device
+        at each call of the step). Pass them to the jitted step as an argument."""
+        return {f.name: jax.tree.map(lambda x: jax.device_put(x, sharding), getattr(self, f.name))
+                for f in dataclasses.fields(self)}
 
 
 class DistributedOptimizer:
