@@ -106,8 +106,9 @@ def test_megatron_facade_equals_fused_step(use_distributed_optimizer):
     ddp = DistributedDataParallel(state, ddp_config, module, opt_config)
     x, y = make_batch(GLOBAL_BATCH)
     params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
-    fused_params, _, metrics = ddp.make_train_step(mse_loss(module), 2)(params, ddp.init_optimizer(params),
-                                                                       ddp.shard_batch((x, y)))
+    fused_step = ddp.make_train_step(mse_loss(module), 2)  # donates its inputs: give it a copy
+    fused_params, _, metrics = fused_step(jax.tree.map(jnp.copy, params), ddp.init_optimizer(params),
+                                          ddp.shard_batch((x, y)))
     # Megatron's loop: zero, accumulate microbatches under no_sync, last one syncs, step.
     ddp.zero_grad_buffer()
     # Every rank's 4 rows split in two halves (not the fused step's split: losses are means).
@@ -139,7 +140,7 @@ def test_per_token_loss_normalisation_matches_mean_loss():
 
     mean_step = ddp.make_train_step(mse_loss(module), 2)
     token_step = ddp.make_train_step(summed, 2, per_token_loss=True)
-    a = mean_step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
+    a = mean_step(jax.tree.map(jnp.copy, params), ddp.init_optimizer(params), ddp.shard_batch((x, y)))
     b = token_step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
     np.testing.assert_allclose(float(a[2]["loss"]), float(b[2]["loss"]), rtol=1e-6)
     jax.tree.map(lambda u, v: np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-7), a[0], b[0])
