@@ -157,14 +157,17 @@ def test_indivisible_batch_is_a_clear_error():
         step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
 
 
-def test_train_step_makes_no_implicit_transfers():
+def test_train_step_donates_state_and_makes_no_implicit_transfers():
     """The step's constant inputs (the norm and weight-decay masks) live on every device already:
-    a call with placed params, state and batch copies nothing between host and devices."""
+    a call with placed params, state and batch copies nothing between host and devices; params
+    and optimizer state are donated (updated in place)."""
     state = ps.build_parallel_state()
     ddp, params, opt_state, _ = _run_ddp(state, DistributedDataParallelConfig(), OptimizerConfig(), 1, steps=1)
     step = ddp.make_train_step(mse_loss(ddp.module), 1)
     batch = ddp.shard_batch(make_batch(GLOBAL_BATCH, seed=1))
     params, opt_state, _ = step(params, opt_state, batch)  # compile outside the guard
+    inputs = (params, opt_state)
     with jax.transfer_guard("disallow"):
         params, opt_state, metrics = step(params, opt_state, batch)
     assert np.isfinite(float(metrics["loss"]))
+    assert all(x.is_deleted() for x in jax.tree.leaves(inputs))
