@@ -2,9 +2,10 @@
 recipe, measured side by side in one run (``python bench/e2e.py``).
 
 For each world size (``--worlds``, default 1 2 4 8) it launches, under ``mpirun``:
-this package's training step for the layouts dp-only, tp=2, pp=2 and the default 3D one
-(tp=2, pp=2, dp=2 at 8), PyTorch DDP on gloo (``bench/e2e_torch.py``, skipped when torch is not
-installed: ``pip install torch==2.13.0``) and the per-leaf ``pmean`` recipe
+this package's training step for the layouts dp-only (also with the distributed optimizer
+from 2 processes), tp=2, pp=2 and the default 3D one (tp=2, pp=2, dp=2 at 8), PyTorch DDP on
+gloo (``bench/e2e_torch.py``, skipped when torch is not installed:
+``pip install torch==2.13.0``) and the per-leaf ``pmean`` recipe
 (``bench/e2e_jax.py --impl pmean``). Same model (``--layers/--hidden/--heads/--seq``, vocab
 256), same global batch, fp32. Prints a table (median step time after warm-up, tokens/s, peak
 memory per process, ratios against each peer at the same world size; each case is launched
@@ -62,6 +63,9 @@ def cases(world: int, has_torch: bool) -> list[tuple[str, str, str, list[str]]]:
     if has_torch:
         out.append(("torch_ddp", "dp", "e2e_torch.py", []))
     if world >= 2:
+        # the same dp-only step with the optimizer sharded over dp (Megatron's
+        # --use-distributed-optimizer; identical results, 1/dp of the optimizer work)
+        out.append(("package", "dp, dist-opt", "e2e_jax.py", ["--impl", "package", "--distributed-optimizer"]))
         out.append(("package", "tp=2", "e2e_jax.py", ["--impl", "package", "--tp", "2"]))
         out.append(("package", "pp=2", "e2e_jax.py", ["--impl", "package", "--pp", "2", "--microbatches", "4"]))
     if world == 8:
