@@ -162,7 +162,7 @@ def test_train_step_donates_state_and_makes_no_implicit_transfers():
     a call with placed params, state and batch copies nothing between host and devices; params
     and optimizer state are donated (updated in place)."""
     state = ps.build_parallel_state()
-    ddp, params, opt_state, _ = _run_ddp(state, DistributedDataParallelConfig(), OptimizerConfig(), 1, steps=1)
+    ddp, params, opt_state, _ = _run_ddp(state, DistributedDataParallelConfig(), OptimizerConfig(), 1, steps=0)
     step = ddp.make_train_step(mse_loss(ddp.module), 1)
     batch = ddp.shard_batch(make_batch(GLOBAL_BATCH, seed=1))
     params, opt_state, _ = step(params, opt_state, batch)  # compile outside the guard
