@@ -97,6 +97,36 @@ def test_nan_grad_skips_update_and_names_param_and_rank(use_distributed_optimize
     ddp.check_nonfinite(ok)
 
 
+def test_replicated_params_stay_bit_identical_across_data_parallel_ranks():
+    # The replicated optimizer computes the clipping norm on every rank from its own copy of the
+    # reduced grads, with no collective: the copies, norms and updates must agree bit for bit.
+    state = ps.build_parallel_state()
+    cfg = OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=0.05)
+    module = MLP()
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), module, cfg)
+    params = ddp.init(jax.random.key(0), jnp.asarray(make_batch(GLOBAL_BATCH)[0][:2]))
+    opt_state = ddp.init_optimizer(params)
+    step = ddp.make_train_step(mse_loss(module), 2)
+    for i in range(STEPS):
+        params, opt_state, metrics = step(params, opt_state, ddp.shard_batch(make_batch(GLOBAL_BATCH, seed=i)))
+        assert float(metrics["grad_norm"]) > cfg.clip_grad  # clipping is active
+    for leaf in jax.tree.leaves((params, opt_state)):
+        copies = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(copies) == 8
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])
+
+
+def test_overflowing_grad_norm_without_nonfinite_grads_is_explained():
+    state = ps.build_parallel_state()
+    module = MLP()
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
+    ddp.init(jax.random.key(0), jnp.asarray(make_batch(GLOBAL_BATCH)[0][:2]))
+    metrics = {"skipped": np.bool_(True), "nonfinite": np.zeros((8, len(ddp.param_paths)), bool)}
+    with pytest.raises(FloatingPointError, match="sum of squares overflowed"):
+        ddp.check_nonfinite(metrics)
+
+
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True])
 def test_megatron_facade_equals_fused_step(use_distributed_optimizer):
     state = ps.build_parallel_state()

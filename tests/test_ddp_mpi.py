@@ -47,6 +47,14 @@ def test_ddp_dp8_processes_equal_single_device(use_distributed_optimizer, num_mi
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     local = jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, np.asarray(b), rtol=1e-5, atol=1e-6), local, ref_params)
+    # Every process's copy is bit-identical (the replicated optimizer clips with a norm each
+    # process computes from its own copy of the reduced grads).
+    from jax.experimental import multihost_utils
+
+    for leaf in jax.tree.leaves(local):
+        copies = np.asarray(multihost_utils.process_allgather(leaf))
+        for copy in copies[1:]:
+            np.testing.assert_array_equal(copy, copies[0])
 
 
 def test_nan_on_one_process_is_reported_on_every_process():

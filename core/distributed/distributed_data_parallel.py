@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from core import parallel_state
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.finalize_model_grads import any_rank, finalize_model_grads, nonfinite_flags
+from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
 from core.optimizer.distrib_optimizer import BufferMasks, DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
@@ -252,12 +252,14 @@ class DistributedDataParallel:
                 grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
             leaves = jax.tree.leaves(params)
             grad_leaves = jax.tree.leaves(grads)
-            flags = nonfinite_flags(grad_leaves)
             reduced = finalize_model_grads(grad_leaves, meta["infos"], meta["specs"], ddp_config, state,
                                            num_tokens=tokens if per_token_loss else None)
-            skip = any_rank(jnp.any(flags), state) if ddp_config.check_for_nan_in_grad else None
-            new_leaves, new_opt, grad_norm = opt.step(opt_state, reduced, leaves, masks, skip)
-            skipped = jnp.zeros((), bool) if skip is None else skip
+            # A NaN/Inf in any rank's grads makes the global grad norm non-finite on every rank:
+            # the skip needs no collective of its own, and the per-param flags that name the
+            # culprits are computed only when it happens.
+            new_leaves, new_opt, grad_norm, skipped = opt.step(
+                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad)
+            flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             if per_token_loss:
                 mean_loss = lax.psum(loss, dp_axes) / jnp.maximum(lax.psum(tokens, dp_axes), 1.0)
@@ -280,6 +282,10 @@ class DistributedDataParallel:
         flags = np.asarray(multihost_utils.process_allgather(metrics["nonfinite"], tiled=True))
         ranks = self.state.device_ranks.reshape(-1)
         bad = [(int(ranks[d]), self.param_paths[i]) for d, i in zip(*np.nonzero(flags), strict=True)]
+        if not bad:
+            raise FloatingPointError(
+                "the global gradient norm is not finite (its float32 sum of squares overflowed) although "
+                "every local gradient is; the update was skipped, parameters and optimizer state are unchanged.")
         names = "; ".join(f"rank {r}: params{p}" for r, p in bad[:10])
         raise FloatingPointError(
             f"NaN or Inf in local gradients ({len(bad)} param/rank pairs): {names}. "
@@ -366,8 +372,8 @@ class DistributedDataParallel:
 
         def fn(params, opt_state, reduced, masks):
             leaves = jax.tree.leaves(params)
-            new_leaves, new_opt, norm = meta["optimizer"].step(self._to_local(opt_state), self._to_local(reduced),
-                                                               leaves, masks)
+            new_leaves, new_opt, norm, _ = meta["optimizer"].step(self._to_local(opt_state),
+                                                                  self._to_local(reduced), leaves, masks)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             return new_params, self._from_local(new_opt), norm
 

@@ -25,7 +25,8 @@ class DistributedDataParallelConfig:
     average_in_collective: bool = False
     """Average in the collective (pmean) instead of pre-scaling grads by 1/dp and summing."""
     check_for_nan_in_grad: bool = False
-    """Check local grads for NaN/Inf before reducing; skip the update and raise naming param and rank."""
+    """Skip the update when any rank's grads hold a NaN/Inf (seen in the global grad norm, the same on
+    every rank) and report the params and ranks whose local grads had them (``check_nonfinite``)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad bucket ends to lcm(dp, 128, 2**16) instead of lcm(dp, 128) (distributed optimizer only)."""
 

@@ -91,9 +91,3 @@ def finalize_model_grads(
 def nonfinite_flags(grad_leaves: Sequence[jax.Array]) -> jax.Array:
     """One bool per leaf: whether this device's gradient has a NaN or Inf (before reduction)."""
     return jnp.stack([~jnp.all(jnp.isfinite(g)) for g in grad_leaves]) if grad_leaves else jnp.zeros(0, bool)
-
-
-def any_rank(flag: jax.Array, state: ParallelState) -> jax.Array:
-    """True on every device when ``flag`` is true on any device of the mesh."""
-    return lax.psum(jnp.asarray(flag, jnp.int32), tuple(state.mesh.axis_names)) > 0
-

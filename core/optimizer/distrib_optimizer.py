@@ -148,28 +148,40 @@ class DistributedOptimizer:
         return _gather_all_buckets_at_once(shards, axes)
 
     def grad_norm(self, grad_shards: Sequence[Buckets], masks: dict[str, Any]) -> jax.Array:
-        """Global L2 norm of the reduced gradients across every rank (see ``clip_grads``)."""
-        sumsq = []
+        """Global L2 norm of the reduced gradients across every rank (see ``clip_grads``).
+
+        Replicated: every rank of a buffer's reduction group counts its whole (identical) bucket
+        and the sum runs over the other mesh axes only; distributed: each rank counts its shard
+        and the sum runs over every axis. Non-finite elements make the norm non-finite even
+        where this device does not count them (0/1 weights multiply)."""
+        sumsq: dict[tuple[str, ...], list[jax.Array]] = {}
         for b_spec, shards, tp_m, pp_m in zip(self.specs, grad_shards, masks["tp_split"], masks["pp_split"],
                                               strict=True):
-            owner = True if self.sharded else lax.axis_index(reduction_axes(b_spec, self.state)) == 0
+            axes = tuple(self.state.mesh.axis_names)
+            if not self.sharded:
+                replicated_over = reduction_axes(b_spec, self.state)
+                axes = tuple(a for a in axes if a not in replicated_over)
             for g, tp_split, pp_split in zip(shards, tp_m, pp_m, strict=True):
-                w = bucket_norm_weights(self._shard(tp_split, b_spec), self._shard(pp_split, b_spec), self.state, owner)
+                w = bucket_norm_weights(self._shard(tp_split, b_spec), self._shard(pp_split, b_spec), self.state)
                 g32 = g.astype(jnp.float32)
-                sumsq.append(jnp.sum(jnp.where(w, g32 * g32, 0.0)))
+                sumsq.setdefault(axes, []).append(jnp.sum(w.astype(jnp.float32) * (g32 * g32)))
         return get_grad_norm_fp32(sumsq, self.state)
 
     def step(
         self, opt_state: dict[str, Any], grad_shards: Sequence[Buckets], param_leaves: Sequence[jax.Array],
-        masks: dict[str, Any], skip: jax.Array | None = None,
-    ) -> tuple[dict[int, jax.Array], dict[str, Any], jax.Array]:
-        """Clip, step the shards, gather. Returns ({leaf index: new param}, new state, grad norm).
+        masks: dict[str, Any], skip_nonfinite: bool = False,
+    ) -> tuple[dict[int, jax.Array], dict[str, Any], jax.Array, jax.Array]:
+        """Clip, step the shards, gather. Returns ({leaf index: new param}, new state, grad norm,
+        skipped).
 
-        ``skip`` (a bool scalar, the same on every rank) leaves params and state unchanged. It
-        selects the update in a ``lax.cond``: on CPU a ``jnp.where`` between old and new values
-        costs two extra passes over the optimizer state and copies of it every step.
+        With ``skip_nonfinite`` a non-finite global grad norm (a NaN or Inf in any rank's
+        gradients; the norm is the same on every rank) leaves params and state unchanged and
+        ``skipped`` is true. The update is selected in a ``lax.cond``: on CPU a ``jnp.where``
+        between old and new values costs two extra passes over the optimizer state and copies
+        of it every step.
         """
         grad_norm = self.grad_norm(grad_shards, masks)
+        skip = ~jnp.isfinite(grad_norm) if skip_nonfinite else None
         grads = tuple(tuple(g.astype(jnp.float32) for g in bs) for bs in grad_shards)
         if self.clip_grad > 0:
             coef = clip_coefficient(grad_norm, self.clip_grad)
@@ -195,7 +207,8 @@ class DistributedOptimizer:
             full = self._gather_buckets(shards, spec) if self.sharded else shards
             new_leaves.update(unflatten_from_buckets(full, spec))
         master = tuple(s if m else () for m, s in zip(opt_state["master"], new_shards, strict=True))
-        return new_leaves, {"master": master, "inner": inner}, grad_norm
+        skipped = jnp.zeros((), bool) if skip is None else skip
+        return new_leaves, {"master": master, "inner": inner}, grad_norm, skipped
 
 
 def _gather_all_buckets_at_once(shards: Buckets, axes: tuple[str, ...]) -> Buckets:
