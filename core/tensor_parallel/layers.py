@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.fusions import FusedLayerNorm
 from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import gelu, linear
@@ -204,7 +205,7 @@ class ParallelMLP(nn.Module):
         """``x + Dropout(MLP(LayerNorm(x)))``."""
         sp = self.sequence_parallel
         meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sp)
-        h = nn.LayerNorm(scale_init=meta(nn.initializers.ones), bias_init=meta(nn.initializers.zeros),
+        h = FusedLayerNorm(scale_init=meta(nn.initializers.ones), bias_init=meta(nn.initializers.zeros),
                          name="layernorm")(x)
         h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, sequence_parallel=sp,
                                     axis_name=self.axis_name, name="fc1")(h)

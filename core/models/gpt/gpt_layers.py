@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.fusions import FusedLayerNorm
 from core.models.gpt.causal_attention import causal_attention
 from core.models.gpt.gpt_config import GPTConfig
 from core.param_metadata import with_parallel_metadata
@@ -34,10 +35,10 @@ def _normal(std: float):
     return lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype) * std
 
 
-def layer_norm(config: GPTConfig, name: str) -> nn.LayerNorm:
+def layer_norm(config: GPTConfig, name: str) -> FusedLayerNorm:
     """A LayerNorm whose params are tagged sequence-parallel when the activations are shards."""
     meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=config.sequence_parallel)
-    return nn.LayerNorm(epsilon=config.layernorm_epsilon, scale_init=meta(nn.initializers.ones),
+    return FusedLayerNorm(epsilon=config.layernorm_epsilon, scale_init=meta(nn.initializers.ones),
                         bias_init=meta(nn.initializers.zeros), name=name)
 
 
