@@ -39,7 +39,7 @@ def layer_norm(config: GPTConfig, name: str) -> FusedLayerNorm:
     """A LayerNorm whose params are tagged sequence-parallel when the activations are shards."""
     meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=config.sequence_parallel)
     return FusedLayerNorm(epsilon=config.layernorm_epsilon, scale_init=meta(nn.initializers.ones),
-                        bias_init=meta(nn.initializers.zeros), name=name)
+                          bias_init=meta(nn.initializers.zeros), name=name)
 
 
 def apply_rotary(x: jax.Array, base: float) -> jax.Array:
