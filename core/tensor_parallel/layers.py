@@ -206,7 +206,7 @@ class ParallelMLP(nn.Module):
         sp = self.sequence_parallel
         meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sp)
         h = FusedLayerNorm(scale_init=meta(nn.initializers.ones), bias_init=meta(nn.initializers.zeros),
-                         name="layernorm")(x)
+                           name="layernorm")(x)
         h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, sequence_parallel=sp,
                                     axis_name=self.axis_name, name="fc1")(h)
         h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, input_is_parallel=True, sequence_parallel=sp,
