@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import core.fusions.fused_layer_norm as fln_module
 from core.fusions import FusedLayerNorm, fused_layer_norm_available
+from core.fusions.cpu_kernels import SOURCE_DIR, compile_kernel
 from core.fusions.fused_layer_norm import fused_layer_norm
 
 needs_kernel = pytest.mark.skipif(not fused_layer_norm_available(), reason="no C++ compiler: XLA fallback only")
@@ -66,5 +66,5 @@ def test_module_has_flax_parameters_and_falls_back_for_bf16():
 def test_compile_failure_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="compiling layer_norm_cpu.cc failed"):
-        fln_module._compile(tmp_path / "k.so")
+        compile_kernel(SOURCE_DIR / "layer_norm_cpu.cc", tmp_path / "k.so")
     assert not list(tmp_path.iterdir())  # no partial library left behind
