@@ -107,3 +107,12 @@ def test_compile_failure_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="compiling attention_cpu.cc failed"):
         compile_kernel(SOURCE_DIR / "attention_cpu.cc", tmp_path / "k.so")
     assert not list(tmp_path.iterdir())
+
+
+def test_layout_tests_exercise_the_kernel():
+    """The pretraining layout tests' model must take the fused path (head dim and seq multiples of 16)."""
+    from pretrain_harness import TINY
+
+    flag = lambda name: int(TINY[TINY.index(name) + 1])
+    head_dim = flag("--hidden-size") // flag("--num-attention-heads")
+    assert fused_attention_block(jnp.zeros((1, 1, flag("--seq-length"), head_dim))) is not None
