@@ -219,19 +219,21 @@ void BackwardPair(const float* q, const float* k, const float* v, const float* o
   Transpose(k, seq, d, w.kt.data());
   Transpose(v, seq, d, w.vt.data());
   for (int64_t r = 0; r < seq; ++r) {  // rowsum(dO * O)
-    float acc = 0.f;
-    for (int64_t c = 0; c < d; ++c) acc += dout[r * d + c] * o[r * d + c];
-    w.delta[r] = acc;
+    Vec acc{};
+    for (int64_t c = 0; c < d; c += kLanes) acc += Load(dout + r * d + c) * Load(o + r * d + c);
+    float total = 0.f;
+    for (int j = 0; j < kLanes; ++j) total += acc[j];
+    w.delta[r] = total;
   }
-  std::fill(dk, dk + seq * d, 0.f);
-  std::fill(dv, dv + seq * d, 0.f);
-  for (int64_t i0 = 0; i0 < seq; i0 += block) {
+  // Last query block first: it meets every key, so its dK/dV products initialise all rows.
+  for (int64_t i0 = seq - block; i0 >= 0; i0 -= block) {
+    const bool first = i0 == seq - block;
     const int64_t end = i0 + block;
     float *p = w.s.data(), *dp = w.dp.data();
     const float* dout_i = dout + i0 * d;
     Scores(q, w.kt.data(), seq, d, i0, block, end, scale, p);
     CausalExp(p, i0, block, end, [&](int64_t r, const float*, int64_t) { return lse[i0 + r]; });
-    Gemm(end, d, block, p, 1, end, dout_i, d, 1.f, dv, d, true);              // dV += P^T dO
+    Gemm(end, d, block, p, 1, end, dout_i, d, 1.f, dv, d, !first);            // dV += P^T dO
     Gemm(block, end, d, dout_i, d, 1, w.vt.data(), seq, 1.f, dp, end, false);  // dP = dO V^T
     for (int64_t r = 0; r < block; ++r) {                                    // dS = P (dP - delta) scale
       const Vec delta = Vec{} + w.delta[i0 + r];
@@ -239,7 +241,7 @@ void BackwardPair(const float* q, const float* k, const float* v, const float* o
         Store(dp + r * end + c, Load(p + r * end + c) * (Load(dp + r * end + c) - delta) * scale);
     }
     Gemm(block, d, end, dp, end, 1, k, d, 1.f, dq + i0 * d, d, false);   // dQ = dS K
-    Gemm(end, d, block, dp, 1, end, q + i0 * d, d, 1.f, dk, d, true);    // dK += dS^T Q
+    Gemm(end, d, block, dp, 1, end, q + i0 * d, d, 1.f, dk, d, !first);  // dK += dS^T Q
   }
 }
 
