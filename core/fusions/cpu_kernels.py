@@ -64,6 +64,7 @@ def compile_kernel(source: Path, target: Path) -> None:
     cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of a shared cache out
         os.replace(tmp, target)
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"compiling {source.name} failed: {e.stderr[-2000:]}") from e
