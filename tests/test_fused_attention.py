@@ -59,7 +59,7 @@ def test_kernel_matches_reference(shape, block):
 @needs_kernel
 def test_causal_attention_uses_the_kernel_and_the_xla_path_agrees(monkeypatch):
     q, k, v = _inputs((2, 2, 64, 32))
-    assert fused_attention_block(q) == 64
+    assert fused_attention_block(q, k, v) == 64
     fused = _value_and_grads(causal_attention, q, k, v)
     monkeypatch.setattr(attention_module, "fused_attention_available", lambda: False)
     _assert_close(fused, _value_and_grads(causal_attention, q, k, v))
@@ -93,11 +93,15 @@ def test_bad_block_is_a_clear_error():
         jax.block_until_ready(jax.jit(lambda q: fused_causal_attention(q, k, v, 24))(q))
 
 
+def _block(x):
+    return fused_attention_block(x, x, x)
+
+
 def test_shapes_the_kernel_does_not_take_fall_back():
-    assert fused_attention_block(jnp.zeros((1, 1, 40, 16))) is None       # s not a multiple of 16
-    assert fused_attention_block(jnp.zeros((1, 1, 32, 24))) is None       # head_dim not a multiple of 16
-    assert fused_attention_block(jnp.zeros((1, 1, 32, 16), jnp.bfloat16)) is None
-    assert fused_attention_block(jnp.zeros((1, 1, 96, 16))) == 48
+    assert _block(jnp.zeros((1, 1, 40, 16))) is None       # s not a multiple of 16
+    assert _block(jnp.zeros((1, 1, 32, 24))) is None       # head_dim not a multiple of 16
+    assert _block(jnp.zeros((1, 1, 32, 16), jnp.bfloat16)) is None
+    assert _block(jnp.zeros((1, 1, 96, 16))) == 48
     q, k, v = _inputs((2, 2, 40, 16))
     _assert_close(_value_and_grads(causal_attention, q, k, v), _value_and_grads(reference_attention, q, k, v))
 
@@ -115,4 +119,4 @@ def test_layout_tests_exercise_the_kernel():
 
     flag = lambda name: int(TINY[TINY.index(name) + 1])
     head_dim = flag("--hidden-size") // flag("--num-attention-heads")
-    assert fused_attention_block(jnp.zeros((1, 1, flag("--seq-length"), head_dim))) is not None
+    assert _block(jnp.zeros((1, 1, flag("--seq-length"), head_dim))) is not None

@@ -32,11 +32,14 @@ def fused_attention_available() -> bool:
         "attention_cpu.cc", ((_FORWARD, "AttentionForward"), (_BACKWARD, "AttentionBackward")), "MCJ_FUSED_ATTENTION")
 
 
-def fused_attention_block(q: jax.Array, block_size: int = 64) -> int | None:
-    """The query/key block the kernel would use for ``q`` ``[..., s, d]`` (the largest multiple of
-    16 up to ``block_size`` dividing ``s``), or None when the kernel does not apply."""
+def fused_attention_block(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int = 64) -> int | None:
+    """The query/key block the kernel would use for ``q, k, v`` ``[..., s, d]`` (the largest
+    multiple of 16 up to ``block_size`` dividing ``s``), or None when the kernel does not apply
+    (not all float32 of one shape, or ``s`` or ``d`` not a multiple of 16)."""
+    if q.ndim < 2 or not q.shape == k.shape == v.shape or not q.dtype == k.dtype == v.dtype == jnp.float32:
+        return None
     s, d = q.shape[-2:]
-    if q.dtype != jnp.float32 or d % _LANES or s % _LANES or q.ndim < 2:
+    if d % _LANES or s % _LANES:
         return None
     return max(b for b in range(_LANES, max(block_size, _LANES) + 1, _LANES) if s % b == 0)
 
@@ -66,7 +69,7 @@ def _attention_fwd(q, k, v, block):
 def _attention_bwd(block, residuals, d_out):
     grad = jax.ShapeDtypeStruct(residuals[0].shape, jnp.float32)
     return jax.ffi.ffi_call(_BACKWARD, (grad, grad, grad), vmap_method="broadcast_all")(
-        *residuals, d_out.astype(jnp.float32), block=np.int64(block))
+        *residuals, d_out, block=np.int64(block))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

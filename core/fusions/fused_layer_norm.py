@@ -4,9 +4,8 @@ XLA's CPU backend runs a LayerNorm and its gradient as several passes over the a
 (row statistics, normalisation, the two row sums of the backward, the column sums for the
 scale and bias gradients): ~3.6-5.5 ms forward and backward per ``[4096, 256]`` LayerNorm in
 the GPT step on one core, against ~1.6 ms for torch's kernel. ``layer_norm_cpu.cc`` does one
-pass per row each way and is called through XLA's FFI. It is compiled on first use with the
-system C++ compiler against jaxlib's FFI headers and cached per source, jaxlib version and CPU;
-where that is not possible (no compiler, another backend, not float32) the same LayerNorm runs
+pass per row each way and is called through XLA's FFI, built and cached on first use by
+``cpu_kernels.py``; where that is not possible (no compiler, another backend, not float32) the same LayerNorm runs
 as plain XLA ops, so results differ only by float rounding.
 """
 

@@ -36,6 +36,12 @@ inline Vec Load(const float* p) {
 
 inline void Store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+inline float Sum(Vec v) {
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += v[j];
+  return total;
+}
+
 // C[MR x 16*NV] = (accumulate ? C : 0) + alpha * A B, with A(r, k) = A[r * ars + k * aks] and
 // B row-major [K, ldb]: MR x NV accumulators in registers, B's row streamed, A broadcast.
 template <int MR, int NV>
@@ -200,8 +206,7 @@ void ForwardPair(const float* q, const float* k, const float* v, float* o, float
       const float* row = s + r * end;
       Vec sum{};
       for (int64_t c = 0; c < end; c += kLanes) sum += Load(row + c);
-      float total = 0.f;
-      for (int j = 0; j < kLanes; ++j) total += sum[j];
+      const float total = Sum(sum);
       lse[i0 + r] = max[r] + std::log(total);
       max[r] = 1.f / total;
     }
@@ -221,9 +226,7 @@ void BackwardPair(const float* q, const float* k, const float* v, const float* o
   for (int64_t r = 0; r < seq; ++r) {  // rowsum(dO * O)
     Vec acc{};
     for (int64_t c = 0; c < d; c += kLanes) acc += Load(dout + r * d + c) * Load(o + r * d + c);
-    float total = 0.f;
-    for (int j = 0; j < kLanes; ++j) total += acc[j];
-    w.delta[r] = total;
+    w.delta[r] = Sum(acc);
   }
   // Last query block first: it meets every key, so its dK/dV products initialise all rows.
   for (int64_t i0 = seq - block; i0 >= 0; i0 -= block) {
