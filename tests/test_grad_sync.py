@@ -1,6 +1,7 @@
 """Which group reduces what: bucket all-reduce / reduce-scatter, dense vs expert buffers."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,3 +64,47 @@ def test_rank_dependent_grads_reveal_the_reducing_group(use_distributed_optimize
         for b in expert:
             np.testing.assert_allclose(np.asarray(b).reshape(8, -1)[by_rank[rank]], want_expert)
     assert sorted(map(sorted, state.groups(("dp",)))) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def _collectives(jaxpr) -> list:
+    """Every collective / concatenate equation of a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("psum", "pmean", "psum2", "concatenate", "reduce_scatter", "all_gather",
+                                  "ppermute"):
+            found.append(eqn)
+        for p in eqn.params.values():
+            inner = getattr(p, "jaxpr", p)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                found.extend(_collectives(inner))
+    return found
+
+
+def test_replicated_reduction_all_reduces_the_gradients_without_a_flat_copy():
+    # Without the distributed optimizer each parameter's reduced gradient is what the optimizer
+    # reads (Megatron's main_grad): a psum of each bucket's gradients (which XLA's all-reduce
+    # combiner merges into one collective), no flat buffer to build and slice.
+    from core.distributed.grad_sync import reduce_gradients
+
+    state = ps.build_parallel_state()
+    shapes = [(64, 4), (3,), (128,), (5, 5)]
+    infos = [ParamInfo(P())] * 4
+    specs = build_buffer_specs(shapes, [jnp.float32] * 4, infos, data_parallel_size=8, bucket_size=100,
+                               use_distributed_optimizer=False, grad_reduce_in_fp32=False)
+    assert len(specs[0].layout.bucket_indices) == 2  # [(5, 5), (128,)], [(3,), (64, 4)]
+    names = state.mesh.axis_names
+
+    def body(rank):
+        r = rank.reshape(())
+        leaves = [jnp.full(s, 2.0**r, jnp.float32) for s in shapes]
+        out = reduce_gradients(leaves, specs, DistributedDataParallelConfig(), state)
+        return [x[None, None, None, None, None] for x in out]
+
+    fn = jax.shard_map(body, mesh=state.mesh, in_specs=P(*names), out_specs=P(*names), check_vma=False)
+    ranks = jnp.asarray(state.device_ranks, jnp.float32)
+    eqns = _collectives(jax.make_jaxpr(fn)(ranks).jaxpr)
+    assert [e.primitive.name for e in eqns] == ["psum"] * len(shapes)
+    out = jax.jit(fn)(ranks)
+    for x, shape in zip(out, shapes):
+        assert x.shape[5:] == shape
+        np.testing.assert_allclose(np.asarray(x), sum(2.0**r for r in range(8)) / 8)

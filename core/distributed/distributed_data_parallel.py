@@ -41,7 +41,7 @@ from core import parallel_state
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
-from core.optimizer.distrib_optimizer import BufferMasks, DistributedOptimizer, optimizer_state_bytes
+from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
 from core.param_metadata import init_sharded_params
@@ -127,11 +127,13 @@ class DistributedDataParallel:
             pad_buckets_for_high_nccl_busbw=self.ddp_config.pad_buckets_for_high_nccl_busbw,
         )
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        optimizer = DistributedOptimizer(self.optimizer_spec, specs, infos, self.state, self.ddp_config,
+                                         self.learning_rate)
+        leaf_specs = jax.tree.leaves(specs_tree, is_leaf=lambda x: isinstance(x, P))
         self._metadata = {
             "treedef": treedef, "infos": infos, "specs": specs, "param_specs": specs_tree, "paths": paths,
-            "masks": BufferMasks.build(specs, infos).as_arrays(NamedSharding(self.mesh, P())),
-            "optimizer": DistributedOptimizer(self.optimizer_spec, specs, self.state, self.ddp_config,
-                                              self.learning_rate),
+            "masks": optimizer.constant_inputs(NamedSharding(self.mesh, P())), "optimizer": optimizer,
+            "opt_specs": optimizer.state_specs(leaf_specs, self.local_spec),
         }
         return params
 
@@ -159,10 +161,12 @@ class DistributedDataParallel:
         return self._require_init()["paths"]
 
     def init_optimizer(self, params: Any) -> Any:
-        """Optimizer state (device-local: each dp rank holds only its shards when distributed)."""
+        """Optimizer state: split like the params when replicated; device-local when distributed
+        (each dp rank holds only its shards)."""
         meta = self._require_init()
-        fn = lambda p: self._from_local(meta["optimizer"].init(jax.tree.leaves(p)))
-        return jax.jit(self._shard_map(fn, (meta["param_specs"],), self.local_spec))(params)
+        opt = meta["optimizer"]
+        fn = lambda p: opt.state_from_local(opt.init(jax.tree.leaves(p)))
+        return jax.jit(self._shard_map(fn, (meta["param_specs"],), meta["opt_specs"]))(params)
 
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
@@ -190,8 +194,8 @@ class DistributedDataParallel:
             raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
         step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward)
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
-        fn = self._shard_map(step, (meta["param_specs"], self.local_spec, self.batch_spec, P()),
-                             (meta["param_specs"], self.local_spec, metric_specs))
+        fn = self._shard_map(step, (meta["param_specs"], meta["opt_specs"], self.batch_spec, P()),
+                             (meta["param_specs"], meta["opt_specs"], metric_specs))
         jitted = jax.jit(fn, donate_argnums=(0, 1))
 
         dp = self.state.data_parallel_size
@@ -243,7 +247,7 @@ class DistributedDataParallel:
         dp_axes = state.data_parallel_with_context_axis_name
 
         def body(params, opt_state, batch, masks):
-            opt_state = self._to_local(opt_state)
+            opt_state = opt.state_to_local(opt_state)
             if forward_backward is None:
                 grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss)
             else:
@@ -266,7 +270,7 @@ class DistributedDataParallel:
             else:
                 mean_loss = lax.pmean(loss, dp_axes)
             metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped}
-            return new_params, self._from_local(new_opt), metrics
+            return new_params, opt.state_from_local(new_opt), metrics
 
         return body
 
@@ -293,8 +297,8 @@ class DistributedDataParallel:
         )
 
     def optimizer_state_bytes_per_device(self, opt_state: Any) -> int:
-        """Optimizer-state bytes one device holds (master shards + optax state)."""
-        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), opt_state)
+        """Optimizer-state bytes one device holds (masters + optax state)."""
+        local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.sharding.shard_shape(x.shape), x.dtype), opt_state)
         return optimizer_state_bytes(local)
 
     # -- Megatron's facade -----------------------------------------------------------------
@@ -370,15 +374,17 @@ class DistributedDataParallel:
         meta = self._require_init()
         reduced = self.finish_grad_sync()
 
+        opt = meta["optimizer"]
+
         def fn(params, opt_state, reduced, masks):
             leaves = jax.tree.leaves(params)
-            new_leaves, new_opt, norm, _ = meta["optimizer"].step(self._to_local(opt_state),
-                                                                  self._to_local(reduced), leaves, masks)
+            new_leaves, new_opt, norm, _ = opt.step(opt.state_to_local(opt_state), self._to_local(reduced), leaves,
+                                                    masks)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
-            return new_params, self._from_local(new_opt), norm
+            return new_params, opt.state_from_local(new_opt), norm
 
-        specs = (meta["param_specs"], self.local_spec, self.local_spec, P())
-        return jax.jit(self._shard_map(fn, specs, (meta["param_specs"], self.local_spec, P())))(
+        specs = (meta["param_specs"], meta["opt_specs"], self.local_spec, P())
+        return jax.jit(self._shard_map(fn, specs, (meta["param_specs"], meta["opt_specs"], P())))(
             params, opt_state, reduced, meta["masks"])
 
     def start_param_sync(self, params: Any) -> Any:

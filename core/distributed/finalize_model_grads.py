@@ -24,11 +24,11 @@ Model-parallel reductions, SPMD form of Megatron's groups
   stage's output layer, position embeddings, ...) exists on every stage and receives
   gradient only where it is used; summing over ``"pp"`` is Megatron's embedding-group
   all-reduce, and it keeps all copies identical;
-* data parallelism: bucketed all-reduce / reduce-scatter (Megatron's ``finish_grad_sync``),
-  expert buffers over the expert-data-parallel group.
+* data parallelism: one all-reduce / reduce-scatter per bucket (Megatron's
+  ``finish_grad_sync``), expert buffers over the expert-data-parallel group.
 
 All three are sums, so their order does not change the result; the model-parallel ones run
-on the (small) affected parameters before flattening, the data-parallel one on buckets.
+on the (small) affected parameters first, the data-parallel one per bucket.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_sync import reduce_gradient_buckets
-from core.distributed.param_and_grad_buffer import BufferSpec, flatten_to_buckets
+from core.distributed.grad_sync import reduce_gradients
+from core.distributed.param_and_grad_buffer import BufferSpec
 from core.parallel_state import PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import ParamInfo
 
@@ -70,17 +70,18 @@ def finalize_model_grads(
     ddp_config: DistributedDataParallelConfig,
     state: ParallelState,
     num_tokens: jax.Array | None = None,
-) -> tuple[tuple[jax.Array, ...], ...]:
-    """All gradient reductions of a step (inside ``shard_map``); returns the reduced buckets.
+) -> list[jax.Array] | tuple[tuple[jax.Array, ...], ...]:
+    """All gradient reductions of a step (inside ``shard_map``); returns the reduced gradients.
 
     ``grad_leaves`` are this device's accumulated local grads in flattened-tree order. The
-    result holds, per buffer, the fully reduced buckets (or this rank's shards with the
-    distributed optimizer). With ``num_tokens`` (this rank's token count) the grads are
-    divided by the global token count (see the module docstring).
+    result is every leaf's fully reduced gradient (flattened-tree order, Megatron's
+    ``main_grad``), or with the distributed optimizer this rank's shard of every bucket, per
+    buffer (:func:`core.distributed.grad_sync.reduce_gradients`). With ``num_tokens`` (this
+    rank's token count) the grads are divided by the global token count (see the module
+    docstring).
     """
     leaves = allreduce_model_parallel_grads(grad_leaves, infos, state)
-    buffers = [flatten_to_buckets(leaves, spec) for spec in specs]
-    reduced = reduce_gradient_buckets(buffers, specs, ddp_config, state, per_token_loss=num_tokens is not None)
+    reduced = reduce_gradients(leaves, specs, ddp_config, state, per_token_loss=num_tokens is not None)
     if num_tokens is not None:
         total = lax.psum(jnp.asarray(num_tokens, jnp.float32), state.data_parallel_with_context_axis_name)
         scale = 1.0 / jnp.maximum(total, 1.0)

@@ -176,36 +176,48 @@ def build_buffer_specs(
     return tuple(specs)
 
 
+def flatten_bucket(leaves: Sequence[jax.Array], spec: BufferSpec, bucket: int, dtype=None) -> jax.Array:
+    """Bucket ``bucket`` of this buffer as one padded 1-D array of its params' values (default
+    dtype: the grad dtype). ``leaves`` is the whole flattened tree; only the bucket's params are read."""
+    dtype = jnp.dtype(spec.key.grad_dtype if dtype is None else dtype)
+    start, end = spec.layout.bucket_indices[bucket]
+    pieces, cursor = [], start
+    for j in spec.layout.bucket_params(bucket):
+        p_start, p_end, _ = spec.layout.param_index_map[j]
+        if p_start > cursor:
+            pieces.append(jnp.zeros(p_start - cursor, dtype))
+        pieces.append(jnp.ravel(leaves[spec.leaves[j]]).astype(dtype))
+        cursor = p_end
+    if end > cursor:
+        pieces.append(jnp.zeros(end - cursor, dtype))
+    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def unflatten_bucket(flat: jax.Array, spec: BufferSpec, bucket: int, dtype=None) -> dict[int, jax.Array]:
+    """Inverse of :func:`flatten_bucket`: ``{leaf index: array of its local shape}`` of the bucket's params."""
+    offset = spec.layout.bucket_indices[bucket][0]
+    out = {}
+    for j in spec.layout.bucket_params(bucket):
+        start, end, _ = spec.layout.param_index_map[j]
+        value = flat[start - offset:end - offset].reshape(spec.shapes[j])
+        out[spec.leaves[j]] = value if dtype is None else value.astype(dtype)
+    return out
+
+
 def flatten_to_buckets(leaves: Sequence[jax.Array], spec: BufferSpec, dtype=None) -> tuple[jax.Array, ...]:
     """This buffer's params' values (e.g. grads) as padded 1-D buckets (default: the grad dtype).
 
     ``leaves`` is the whole flattened tree; only ``spec.leaves`` are used. Each bucket is built
     from its own parameters only.
     """
-    dtype = jnp.dtype(spec.key.grad_dtype if dtype is None else dtype)
-    buckets = []
-    for b, (start, end) in enumerate(spec.layout.bucket_indices):
-        pieces, cursor = [], start
-        for j in spec.layout.bucket_params(b):
-            p_start, p_end, _ = spec.layout.param_index_map[j]
-            if p_start > cursor:
-                pieces.append(jnp.zeros(p_start - cursor, dtype))
-            pieces.append(jnp.ravel(leaves[spec.leaves[j]]).astype(dtype))
-            cursor = p_end
-        if end > cursor:
-            pieces.append(jnp.zeros(end - cursor, dtype))
-        buckets.append(jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0])
-    return tuple(buckets)
+    return tuple(flatten_bucket(leaves, spec, b, dtype) for b in range(len(spec.layout.bucket_indices)))
 
 
 def unflatten_from_buckets(buckets: Sequence[jax.Array], spec: BufferSpec, dtype=None) -> dict[int, jax.Array]:
     """Inverse of :func:`flatten_to_buckets`: ``{leaf index: array of its local shape}``."""
     out = {}
-    for j, leaf in enumerate(spec.leaves):
-        start, end, b = spec.layout.param_index_map[j]
-        offset = spec.layout.bucket_indices[b][0]
-        value = buckets[b][start - offset:end - offset].reshape(spec.shapes[j])
-        out[leaf] = value if dtype is None else value.astype(dtype)
+    for b, flat in enumerate(buckets):
+        out.update(unflatten_bucket(flat, spec, b, dtype))
     return out
 
 
