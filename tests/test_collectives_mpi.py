@@ -23,6 +23,7 @@ def test_auto_picks_the_ring_on_multiprocess_cpu():
         assert default_reduce_scatter_impl() == "ring"
         assert default_all_reduce_impl(SPLIT_ALL_REDUCE_MIN_BYTES) == "reduce_scatter_all_gather"
         assert default_all_reduce_impl(SPLIT_ALL_REDUCE_MIN_BYTES - 4) == "psum"
+        assert default_all_reduce_impl(SPLIT_ALL_REDUCE_MIN_BYTES, 2) == "psum"  # two ranks: no gain
 
 
 _SIZES = [(1, 64), (2, 4096), (1, 262144 + 8 * 128)]

@@ -100,11 +100,18 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0) -> jax.Array
 # collectives, 2(n-1) latency-bound steps); measured on CPU at 8 processes: 1 MiB 26 vs 39 ms,
 # 4 MiB 40 vs 39 ms, 13 MiB 127 vs 73 ms (bench/collectives.py, README).
 SPLIT_ALL_REDUCE_MIN_BYTES = 4 * 2**20
+# With two ranks both are one exchange of halves each way: 16 MiB 16.7 ms as one all-reduce,
+# 9.4 + 7.5 ms split (bench/collectives.py), so the split gains nothing there and its flat copy
+# of the gradients costs a pass over them.
+SPLIT_ALL_REDUCE_MIN_RANKS = 3
 
 
-def default_all_reduce_impl(nbytes: int) -> AllReduceImpl:
-    """The all-reduce implementation :func:`all_reduce` uses with ``impl="auto"``."""
-    if jax.default_backend() == "cpu" and jax.process_count() > 1 and nbytes >= SPLIT_ALL_REDUCE_MIN_BYTES:
+def default_all_reduce_impl(nbytes: int, ranks: int = SPLIT_ALL_REDUCE_MIN_RANKS) -> AllReduceImpl:
+    """The all-reduce implementation :func:`all_reduce` uses with ``impl="auto"`` for ``nbytes``
+    over ``ranks`` devices: the split one for large buffers over 3 or more ranks on a
+    multi-process CPU run, one ``psum`` otherwise."""
+    if (jax.default_backend() == "cpu" and jax.process_count() > 1 and nbytes >= SPLIT_ALL_REDUCE_MIN_BYTES
+            and ranks >= SPLIT_ALL_REDUCE_MIN_RANKS):
         return "reduce_scatter_all_gather"
     return "psum"
 
@@ -131,12 +138,13 @@ def all_reduce(
     reduce-scatter then an all-gather, which on CPU across processes moves a large buffer in
     ~0.6x gloo's all-reduce time (gloo's ring all-reduce at 8 processes: 13 MiB in 127 ms, the
     split one in 73 ms). ``"auto"`` picks the split for buffers of at least
-    ``SPLIT_ALL_REDUCE_MIN_BYTES`` on a multi-process CPU run and ``psum`` otherwise.
+    ``SPLIT_ALL_REDUCE_MIN_BYTES`` over at least ``SPLIT_ALL_REDUCE_MIN_RANKS`` ranks on a
+    multi-process CPU run and ``psum`` otherwise.
     """
     n = lax.axis_size(axis_name)
     if n == 1:
         return x
-    impl = default_all_reduce_impl(x.size * x.dtype.itemsize) if impl == "auto" else impl
+    impl = default_all_reduce_impl(x.size * x.dtype.itemsize, n) if impl == "auto" else impl
     if impl == "psum":
         return lax.pmean(x, axis_name) if average else lax.psum(x, axis_name)
     if impl == "reduce_scatter_all_gather":

@@ -103,7 +103,7 @@ def _all_reduce_bucket(grads: dict[int, jax.Array], spec: BufferSpec, bucket: in
                        average: bool) -> dict[int, jax.Array]:
     """One collective for one bucket's (pre-scaled) gradients ``{leaf index: grad}``."""
     nbytes = sum(g.size * g.dtype.itemsize for g in grads.values())
-    if default_all_reduce_impl(nbytes) == "psum":
+    if default_all_reduce_impl(nbytes, lax.axis_size(axes)) == "psum":
         return (lax.pmean if average else lax.psum)(grads, axes)  # one variadic all-reduce
     flat = flatten_bucket(grads, spec, bucket)  # the split all-reduce moves one flat buffer
     return unflatten_bucket(all_reduce(flat, axes, average=average), spec, bucket)
