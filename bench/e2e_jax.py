@@ -67,11 +67,35 @@ def package_step_times(a: argparse.Namespace, world: int):
     return times[a.warmup:], trainer.config
 
 
-def pmean_step_times(a: argparse.Namespace, world: int):
-    """Step times of the tutorial per-leaf ``pmean`` recipe on the same model and data."""
+def pmean_recipe_step(loss_fn, params, specs, mesh, axes, reduce_grads: bool = True):
+    """The tutorial recipe's jitted ``step(params, opt_state, batch) -> (params, opt_state,
+    {"loss"})`` and its initial optimizer state: ``lax.pmean`` of every gradient leaf over
+    ``axes`` (unless ``reduce_grads`` is off), global-norm clipping and optax AdamW in a
+    ``shard_map``, params and state donated."""
     import jax
     import optax
     from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
+    opt_state = jax.jit(tx.init)(params)
+
+    def step(p, o, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        if reduce_grads:
+            grads = jax.tree.map(lambda g: lax.pmean(g, axes), grads)
+        updates, o = tx.update(grads, o, p)
+        return optax.apply_updates(p, updates), o, {"loss": lax.pmean(loss, axes)}
+
+    opt_specs = jax.tree.map(lambda _: P(), opt_state)
+    jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, opt_specs, P(axes)),
+                                   out_specs=(specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
+    return jitted, opt_state
+
+
+def pmean_step_times(a: argparse.Namespace, world: int):
+    """Step times of the tutorial per-leaf ``pmean`` recipe on the same model and data."""
+    import jax
     from jax.sharding import PartitionSpec as P
 
     from core import parallel_state as ps
@@ -88,25 +112,14 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     mesh, axes = state.mesh, state.data_parallel_axis_name
     sample = jax.numpy.zeros((args.global_batch_size // world, args.seq_length), jax.numpy.int32)
     params, specs, _ = init_sharded_params(model.init, mesh, (jax.random.key(args.seed), sample), (P(), P()))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-    opt_state = jax.jit(tx.init)(params)
-
-    def step(p, o, batch):
-        loss, grads = jax.value_and_grad(model.loss_fn)(p, batch)
-        if not a.no_grad_reduction:
-            grads = jax.tree.map(lambda g: lax.pmean(g, axes), grads)
-        updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, lax.pmean(loss, axes)
-
-    opt_specs = jax.tree.map(lambda _: P(), opt_state)
-    jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, opt_specs, P(axes)),
-                                   out_specs=(specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
+    jitted, opt_state = pmean_recipe_step(model.loss_fn, params, specs, mesh, axes,
+                                          reduce_grads=not a.no_grad_reduction)
     times = []
     for _ in range(a.warmup + a.steps):
         batch = data.next_train_batch()
         t = time.perf_counter()
-        params, opt_state, loss = jitted(params, opt_state, batch)
-        float(loss)
+        params, opt_state, metrics = jitted(params, opt_state, batch)
+        float(metrics["loss"])
         times.append(time.perf_counter() - t)
     return times[a.warmup:], model.config
 

@@ -41,8 +41,7 @@ def _variants(devices: int) -> dict:
     """name -> (step, params, opt_state, batch) for every variant."""
     import jax
     import jax.numpy as jnp
-    import optax
-    from jax import lax
+    from e2e_jax import pmean_recipe_step
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -75,18 +74,7 @@ def _variants(devices: int) -> dict:
         out[name] = (ddp.make_train_step(loss_fn), params, ddp.init_optimizer(params), batch)
 
     params, specs, _ = init_sharded_params(model.init, state.mesh, (jax.random.key(0), sample), (P(), P()))
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-    opt_state = jax.jit(tx.init)(params)
-
-    def recipe(p, o, mb):
-        loss, grads = jax.value_and_grad(loss_fn)(p, mb)
-        grads = jax.tree.map(lambda g: lax.pmean(g, axes), grads)
-        updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, {"loss": lax.pmean(loss, axes)}
-
-    opt_specs = jax.tree.map(lambda _: P(), opt_state)
-    step = jax.jit(jax.shard_map(recipe, mesh=state.mesh, in_specs=(specs, opt_specs, P(axes)),
-                                 out_specs=(specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
+    step, opt_state = pmean_recipe_step(loss_fn, params, specs, state.mesh, axes)
     out["pmean recipe"] = (step, params, opt_state, batch)
     return out
 

@@ -80,10 +80,14 @@ class ParamInfo:
     expert: bool = False
     """Expert parameter (reduced over expert-data-parallel ranks)."""
 
+    def split_over(self, axis: str) -> bool:
+        """Whether some dimension of the parameter is split over mesh axis ``axis``."""
+        return any(_names_axis(n, axis) for n in self.partition_spec)
+
     @property
     def tensor_model_parallel(self) -> bool:
         """Whether the parameter is split over the tensor-parallel axis."""
-        return any(_names_axis(n, "tp") for n in self.partition_spec)
+        return self.split_over("tp")
 
     @property
     def partition_dim(self) -> int | None:

@@ -46,10 +46,6 @@ from core.parallel_state import PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import ParamInfo
 
 
-def _spec_axes(info: ParamInfo) -> set[str]:
-    return {a for e in info.partition_spec for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
-
-
 def allreduce_model_parallel_grads(
     grad_leaves: Sequence[jax.Array], infos: Sequence[ParamInfo], state: ParallelState
 ) -> list[jax.Array]:
@@ -58,7 +54,7 @@ def allreduce_model_parallel_grads(
     for i, info in enumerate(infos):
         if info.sequence_parallel and state.tensor_model_parallel_size > 1:
             out[i] = lax.psum(out[i], TP_AXIS)
-        if state.pipeline_model_parallel_size > 1 and PP_AXIS not in _spec_axes(info):
+        if state.pipeline_model_parallel_size > 1 and not info.split_over(PP_AXIS):
             out[i] = lax.psum(out[i], PP_AXIS)
     return out
 

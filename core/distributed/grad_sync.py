@@ -68,6 +68,10 @@ def _scaling(spec: BufferSpec, ddp_config: DistributedDataParallelConfig, state:
     return group, 1.0 / dp_cp, False
 
 
+def _prescale(x: jax.Array, scale: float) -> jax.Array:
+    return x * scale if scale != 1.0 else x
+
+
 def reduce_gradient_buckets(
     buffers: Sequence[Buckets],
     specs: Sequence[BufferSpec],
@@ -87,7 +91,7 @@ def reduce_gradient_buckets(
         group, scale, average = _scaling(spec, ddp_config, state, per_token_loss)
         reduced = []
         for bucket in buckets:
-            g = bucket * scale if scale != 1.0 else bucket
+            g = _prescale(bucket, scale)
             if group == 1:
                 reduced.append(g)
             elif ddp_config.use_distributed_optimizer:
@@ -104,7 +108,7 @@ def _all_reduce_bucket(grads: dict[int, jax.Array], spec: BufferSpec, bucket: in
     """One collective for one bucket's (pre-scaled) gradients ``{leaf index: grad}``."""
     nbytes = sum(g.size * g.dtype.itemsize for g in grads.values())
     if default_all_reduce_impl(nbytes, lax.axis_size(axes)) == "psum":
-        return (lax.pmean if average else lax.psum)(grads, axes)  # one variadic all-reduce
+        return (lax.pmean if average else lax.psum)(grads, axes)  # XLA's combiner merges the psums
     flat = flatten_bucket(grads, spec, bucket)  # the split all-reduce moves one flat buffer
     return unflatten_bucket(all_reduce(flat, axes, average=average), spec, bucket)
 
@@ -134,7 +138,7 @@ def reduce_gradients(
         dtype = jnp.dtype(spec.key.grad_dtype)
         for b in range(len(spec.layout.bucket_indices)):
             members = [spec.leaves[j] for j in spec.layout.bucket_params(b)]
-            grads = {i: out[i].astype(dtype) * scale if scale != 1.0 else out[i].astype(dtype) for i in members}
+            grads = {i: _prescale(out[i].astype(dtype), scale) for i in members}
             if group > 1:
                 grads = _all_reduce_bucket(grads, spec, b, axes, average)
             for i, g in grads.items():
