@@ -1,11 +1,11 @@
-"""The chunked flash-style causal attention equals plain masked softmax attention (fp32, 1e-5)."""
+"""The blocked flash-style causal attention equals plain masked softmax attention (fp32, 1e-5)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.models.gpt.causal_attention import causal_attention
+from core.models.gpt.blocked_attention import blocked_causal_attention as causal_attention
 
 
 def reference_attention(q, k, v):

@@ -1,109 +1,102 @@
-"""Causal softmax attention for CPU-sized memory: flash-style, a (batch x head) chunk at a time.
+"""Causal self-attention by backend: the one function the model calls.
 
-Plain attention materialises ``[b, heads, s, s]`` scores, probabilities and their gradients;
-on CPU writing those buffers costs more than the matmuls (measured: a fresh 33 MB buffer
-~20 ms on a 2-core VM, the ``Q K^T`` batched matmul writing it at ~20 GFLOP/s vs ~75 when its
-output stays in cache). Here ``lax.map`` walks chunks of ``chunk`` (batch x head) rows, so
-every intermediate is ``[chunk, block, s]``, and a ``custom_vjp`` keeps only the output and
-the row log-sum-exp: the backward recomputes ``P = exp(S - lse)`` per chunk (flash
-attention's backward, ``dS = P * (dP - rowsum(dO * O))``). Query block ``i`` only meets key
-blocks ``0..i``, about half the FLOPs of the full score matrix. Plain XLA ops: any backend.
-On CPU, float32 inputs go to the C++ kernel of ``core/fusions/fused_attention.py``, the same
-algorithm with register-tiled matmuls on XLA's intra-op threads (~3x faster on a 2-core VM).
+Each backend gets the attention that is fast on it, all with float32 scores and softmax:
+
+* **CPU**: float32 with a sequence and head dim in multiples of 16 runs the C++ flash kernel
+  (``core/fusions/fused_attention.py``); everything else the blocked XLA loop
+  (``blocked_attention.py``), whose small blocks fit CPU caches.
+* **GPU**: bfloat16/float16 runs cuDNN's flash attention through
+  ``jax.nn.dot_product_attention(..., implementation="cudnn")``; where cuDNN cannot serve
+  (float32, a head dim over its limit or not a multiple of 8, no cuDNN) XLA's implementation
+  (``implementation="xla"``: one fused score matrix, float32 logits), never the CPU-sized loop,
+  whose thousands of small ops are launch-bound on a GPU.
+* Other backends: XLA's implementation.
+
+Layouts: ``"bnsd"`` is ``[batch, heads, seq, head_dim]`` (the CPU paths' layout), ``"bsnd"`` is
+``[batch, seq, heads, head_dim]`` (what ``jax.nn.dot_product_attention`` and cuDNN take). The
+model asks :func:`preferred_layout` and builds q, k, v in it, so no backend pays a transpose;
+any layout works on any backend (a transpose is added where they differ).
 """
 
 from __future__ import annotations
 
-from functools import partial
+import warnings
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from core.fusions.fused_attention import fused_attention_available, fused_attention_block, fused_causal_attention
+from core.models.gpt.blocked_attention import blocked_causal_attention
+
+LAYOUTS = ("bnsd", "bsnd")
+"""Supported q/k/v layouts (see the module docstring)."""
+
+IMPLEMENTATIONS = ("cpu_kernel", "blocked", "cudnn", "xla")
+"""What :func:`attention_implementation` may return."""
+
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper; 128 everywhere since Ampere
+_warned: set[str] = set()
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int = 64, chunk: int = 2) -> jax.Array:
-    """Causal attention on ``[b, heads, s, d]`` with softmax in float32; returns ``[b, heads, s, d]``.
-
-    ``block_size`` is the query/key block (the whole sequence when it does not divide ``s``),
-    ``chunk`` the (batch x head) rows per step (the largest divisor of ``b * heads`` up to it).
-    Small chunks keep each step's scores in cache: on one core at 16 x 4 heads x 256 tokens,
-    attention's forward and backward took 37 ms with chunks of 2 rows, 38-42 with 4 and 41 with 8
-    (the whole training step 0.924-0.933 vs 0.937-0.949 s, side by side). Float32 on CPU with
-    ``d`` and ``s`` multiples of 16 runs the fused C++ kernel instead (same blocks).
-    """
-    fused_block = fused_attention_block(q, k, v, block_size)
-    if fused_block is not None and fused_attention_available():
-        return fused_causal_attention(q, k, v, fused_block)
-    b, n, s, d = q.shape
-    rows = b * n
-    c = max(x for x in range(1, min(chunk, rows) + 1) if rows % x == 0)
-    bs = block_size if s % block_size == 0 and s > block_size else s
-    split = lambda x: x.reshape(rows // c, c, s, d)
-    return _chunked_attention(split(q), split(k), split(v), bs).reshape(b, n, s, d)
+def _backend(backend: str | None) -> str:
+    return backend or jax.default_backend()
 
 
-def _blocks(s: int, bs: int):
-    """(query slice, key end, causal mask) for each query block."""
-    for i in range(s // bs):
-        end = (i + 1) * bs
-        yield slice(i * bs, end), end, jnp.arange(i * bs, end)[:, None] >= jnp.arange(end)[None, :]
+def preferred_layout(backend: str | None = None) -> str:
+    """The q/k/v layout the backend's attention reads without a transpose."""
+    return "bnsd" if _backend(backend) == "cpu" else "bsnd"
 
 
-def _scores(q: jax.Array, k: jax.Array, rows: slice, end: int) -> jax.Array:
-    """Scaled float32 scores ``[c, block, end]`` of query rows ``rows`` against keys ``0..end``."""
-    scale = 1.0 / float(q.shape[-1]) ** 0.5
-    return jnp.einsum("cqd,ckd->cqk", q[:, rows], k[:, :end]).astype(jnp.float32) * scale
+def attention_implementation(q: jax.Array, k: jax.Array, v: jax.Array, layout: str = "bnsd",
+                             backend: str | None = None) -> str:
+    """Which implementation :func:`causal_attention` runs for these inputs (one of
+    :data:`IMPLEMENTATIONS`); ``backend`` defaults to JAX's default backend."""
+    backend = _backend(backend)
+    if backend == "cpu":
+        # The kernel's test reads [..., s, d]: ask it with the sequence where the kernel has it.
+        q, k, v = (_to(jax.ShapeDtypeStruct(x.shape, x.dtype), layout, "bnsd") for x in (q, k, v))
+        return "cpu_kernel" if fused_attention_block(q, k, v) is not None and fused_attention_available() \
+            else "blocked"
+    if backend in ("gpu", "cuda") and q.dtype in _CUDNN_DTYPES and q.dtype == k.dtype == v.dtype \
+            and q.shape[-1] % 8 == 0 and q.shape[-1] <= _CUDNN_MAX_HEAD_DIM:
+        return "cudnn"
+    return "xla"
 
 
-def _chunk_forward(q: jax.Array, k: jax.Array, v: jax.Array, bs: int) -> tuple[jax.Array, jax.Array]:
-    """One chunk ``[c, s, d]``: the output and the float32 row log-sum-exp ``[c, s]``."""
-    outs, lses = [], []
-    for rows, end, allowed in _blocks(q.shape[1], bs):
-        scores = jnp.where(allowed, _scores(q, k, rows, end), -jnp.inf)
-        m = jnp.max(scores, axis=-1, keepdims=True)
-        p = jnp.exp(scores - m)
-        total = jnp.sum(p, axis=-1, keepdims=True)
-        out = jnp.einsum("cqk,ckd->cqd", p.astype(v.dtype), v[:, :end]).astype(jnp.float32) / total
-        outs.append(out.astype(q.dtype))
-        lses.append((m + jnp.log(total))[..., 0])
-    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+def _to(x, src: str, dst: str):
+    """``x`` from layout ``src`` to ``dst`` (the two differ by swapping axes 1 and 2)."""
+    if src == dst:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        s = x.shape
+        return jax.ShapeDtypeStruct((s[0], s[2], s[1], *s[3:]), x.dtype)
+    return jnp.swapaxes(x, 1, 2)
 
 
-def _chunk_backward(q, k, v, out, lse, d_out, bs: int):
-    """Gradients of one chunk from its saved output and log-sum-exp (probabilities recomputed)."""
-    scale = 1.0 / float(q.shape[-1]) ** 0.5
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # rowsum(dO * O)
-    dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
-    for rows, end, allowed in _blocks(q.shape[1], bs):
-        p = jnp.where(allowed, jnp.exp(_scores(q, k, rows, end) - lse[:, rows, None]), 0.0)
-        do = d_out[:, rows]
-        dv = dv.at[:, :end].add(jnp.einsum("cqk,cqd->ckd", p.astype(do.dtype), do).astype(jnp.float32))
-        dp = jnp.einsum("cqd,ckd->cqk", do, v[:, :end]).astype(jnp.float32)
-        ds = (p * (dp - delta[:, rows, None]) * scale).astype(q.dtype)
-        dqs.append(jnp.einsum("cqk,ckd->cqd", ds, k[:, :end]))
-        dk = dk.at[:, :end].add(jnp.einsum("cqk,cqd->ckd", ds, q[:, rows]).astype(jnp.float32))
-    return jnp.concatenate(dqs, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, bs: int) -> jax.Array:
-    """Attention over ``[chunks, c, s, d]``, one chunk per ``lax.map`` step."""
-    return _chunked_forward(q, k, v, bs)[0]
-
-
-def _chunked_forward(q, k, v, bs):
-    return lax.map(lambda xs: _chunk_forward(*xs, bs), (q, k, v))
-
-
-def _chunked_attention_fwd(q, k, v, bs):
-    out, lse = _chunked_forward(q, k, v, bs)
-    return out, (q, k, v, out, lse)
-
-
-def _chunked_attention_bwd(bs, residuals, d_out):
-    return lax.map(lambda xs: _chunk_backward(*xs, bs), (*residuals, d_out))
-
-
-_chunked_attention.defvjp(_chunked_attention_fwd, _chunked_attention_bwd)
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, layout: str = "bnsd",
+                     implementation: str | None = None) -> jax.Array:
+    """Causal softmax attention ``softmax(q k^T / sqrt(d) + mask) v`` in ``layout``; the output
+    has the inputs' shape, layout and dtype. ``implementation`` forces one of
+    :data:`IMPLEMENTATIONS` (default: :func:`attention_implementation`)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    impl = implementation or attention_implementation(q, k, v, layout)
+    if impl in ("cpu_kernel", "blocked"):
+        q, k, v = (_to(x, layout, "bnsd") for x in (q, k, v))
+        block = fused_attention_block(q, k, v) if impl == "cpu_kernel" else None
+        out = fused_causal_attention(q, k, v, block) if block else blocked_causal_attention(q, k, v)
+        return _to(out, "bnsd", layout)
+    if impl not in ("cudnn", "xla"):
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    q, k, v = (_to(x, layout, "bsnd") for x in (q, k, v))
+    if impl == "cudnn":
+        try:
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return _to(out, "bsnd", layout)
+        except (NotImplementedError, RuntimeError, ValueError) as err:  # cuDNN refused these inputs
+            if "cudnn" not in _warned:
+                _warned.add("cudnn")
+                warnings.warn(f"cuDNN attention cannot serve {q.dtype} q {q.shape}: {err}; using XLA's", stacklevel=2)
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    return _to(out, "bsnd", layout)

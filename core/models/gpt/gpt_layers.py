@@ -7,13 +7,15 @@ declares its split (``core.param_metadata``), so the model is the same whatever 
 
 from __future__ import annotations
 
+from functools import partial
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from core.fusions import FusedLayerNorm
-from core.models.gpt.causal_attention import causal_attention
+from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel import (
@@ -42,11 +44,15 @@ def layer_norm(config: GPTConfig, name: str) -> FusedLayerNorm:
                           bias_init=meta(nn.initializers.zeros), name=name)
 
 
-def apply_rotary(x: jax.Array, base: float) -> jax.Array:
-    """Rotary position embedding on ``[b, heads, s, d]`` (positions 0..s-1, rotate-half form)."""
-    s, d = x.shape[-2], x.shape[-1]
+def apply_rotary(x: jax.Array, base: float, layout: str = "bnsd") -> jax.Array:
+    """Rotary position embedding on ``[b, heads, s, d]`` (``layout="bnsd"``) or ``[b, s, heads,
+    d]`` (``"bsnd"``): positions 0..s-1, rotate-half form."""
+    seq_axis = layout.index("s")
+    s, d = x.shape[seq_axis], x.shape[-1]
     inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    if seq_axis == 1:  # [s, d] -> [s, 1, d], broadcast over the heads that follow the sequence
+        angles = angles[:, None, :]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -54,28 +60,34 @@ def apply_rotary(x: jax.Array, base: float) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-@jax.custom_vjp
-def split_qkv(qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``[s, b, heads, 3, d]`` fused projections -> q, k, v as ``[b, heads, s, d]`` (batch dims
-    leading for attention's batched matmuls).
+# Where split_qkv sends [s, b, heads, 3, d] for each layout, and the way back.
+_SPLIT = {"bnsd": (3, 1, 2, 0, 4), "bsnd": (3, 1, 0, 2, 4)}
+_UNSPLIT = {"bnsd": (2, 0, 1, 3), "bsnd": (1, 0, 2, 3)}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_qkv(qkv: jax.Array, layout: str = "bnsd") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[s, b, heads, 3, d]`` fused projections -> q, k, v in attention's ``layout``:
+    ``[b, heads, s, d]`` (``"bnsd"``, batch dims leading for the CPU paths' batched matmuls) or
+    ``[b, s, heads, d]`` (``"bsnd"``, cuDNN's).
 
     Autodiff of the unstacking would pad each gradient to the full ``[3, ...]`` shape and add
     the three before transposing back (measured ~21 ms per layer at 4096 tokens on one core);
     the hand-written VJP stacks and transposes once, like the forward (~3 ms).
     """
-    q, k, v = jnp.transpose(qkv, (3, 1, 2, 0, 4))
+    q, k, v = jnp.transpose(qkv, _SPLIT[layout])
     return q, k, v
 
 
-def _split_qkv_fwd(qkv: jax.Array):
-    return split_qkv(qkv), None
+def _split_qkv_fwd(qkv: jax.Array, layout: str):
+    return split_qkv(qkv, layout), None
 
 
-def _split_qkv_bwd(_, grads: tuple[jax.Array, jax.Array, jax.Array]):
+def _split_qkv_bwd(layout: str, _, grads: tuple[jax.Array, jax.Array, jax.Array]):
     # Transposing each gradient and stacking on a minor axis: XLA's CPU backend emits the single
     # stack-then-transpose, whose result the linear layer flattens to 2-D, as a strided loop
     # (7.5 vs 1.5 ms for [16, 4, 256, 64] x 3 on one core).
-    return (jnp.stack([jnp.transpose(g, (2, 0, 1, 3)) for g in grads], axis=3),)
+    return (jnp.stack([jnp.transpose(g, _UNSPLIT[layout]) for g in grads], axis=3),)
 
 
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
@@ -101,11 +113,12 @@ class ParallelAttention(nn.Module):
                                       init_method=_normal(cfg.init_method_std), name="linear_qkv")(x)
         s, b = qkv.shape[0], qkv.shape[1]
         local_heads = qkv.shape[-1] // (3 * head_dim)
-        q, k, v = split_qkv(qkv.reshape(s, b, local_heads, 3, head_dim))
+        layout = preferred_layout()  # the backend's attention reads it without a transpose
+        q, k, v = split_qkv(qkv.reshape(s, b, local_heads, 3, head_dim), layout)
         if cfg.position_embedding_type == "rope":
-            q, k = apply_rotary(q, cfg.rotary_base), apply_rotary(k, cfg.rotary_base)
-        ctx = causal_attention(q, k, v)
-        ctx = jnp.transpose(ctx, (2, 0, 1, 3)).reshape(s, b, local_heads * head_dim)
+            q, k = apply_rotary(q, cfg.rotary_base, layout), apply_rotary(k, cfg.rotary_base, layout)
+        ctx = causal_attention(q, k, v, layout)
+        ctx = jnp.transpose(ctx, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
         # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
         out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
         out, _ = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=cfg.sequence_parallel,
