@@ -16,23 +16,14 @@ run on an accelerator: only the CPU backend reads the setting.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 
 from core.cpu_threads import threads_per_process
+from core.jax_backend import jax_runs_on_cpu
 
 ENV_VAR = "JAX_NUM_CPU_DEVICES"
 """JAX's own variable for ``jax_num_cpu_devices``; when set, the user's count is kept."""
-
-
-def jax_runs_on_cpu() -> bool:
-    """Whether JAX will pick its CPU backend: ``JAX_PLATFORMS`` names cpu first, or no accelerator
-    plugin (CUDA, ROCm, TPU) is installed. Answered without starting JAX."""
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    return not any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu"))
 
 
 def cpu_devices_per_process(fits: Callable[[int], bool] = lambda n: True) -> int:
@@ -50,7 +41,10 @@ def cpu_devices_per_process(fits: Callable[[int], bool] = lambda n: True) -> int
 
 
 def configure_cpu_devices(n: int) -> None:
-    """Make JAX's CPU backend expose ``n`` devices in this process (before it starts)."""
+    """Make JAX's CPU backend expose ``n`` devices in this process (before it starts; nothing is
+    set when JAX will not run on the CPU)."""
+    if not jax_runs_on_cpu():
+        return
     os.environ[ENV_VAR] = str(n)
     import sys
 

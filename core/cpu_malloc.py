@@ -32,7 +32,9 @@ Tunables are only read at process start, so :func:`reexec_with_malloc_settings` 
 interpreter once with them (first thing in a launch script, before MPI or JAX start) and adds
 :data:`XLA_HEAP_FLAG` to ``XLA_FLAGS``. ``MCJ_MALLOC_TUNING=0`` opts out; a tunable or XLA flag
 the user set keeps the user's value. Needs glibc >= 2.35 (and for the huge pages the kernel's
-THP mode ``madvise`` or ``always``); elsewhere inert.
+THP mode ``madvise`` or ``always``); elsewhere inert. Only for runs on JAX's CPU backend
+(``core.jax_backend.jax_runs_on_cpu``, decided before JAX starts): a GPU run's host memory is
+returned to the kernel as usual and XLA's GPU buffer assignment gets no heap-size constraint.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+
+from core.jax_backend import jax_runs_on_cpu
 
 KEEP_FREED_TUNABLES = (
     "glibc.malloc.hugetlb=1",  # transparent huge pages on malloc's memory
@@ -88,11 +92,12 @@ def is_glibc_linux() -> bool:
 def reexec_with_malloc_settings() -> None:
     """Re-execute this Python process with the malloc settings added when a tunable is missing.
 
-    A no-op off glibc Linux or when opted out; when only the XLA flag is missing it is set
-    without a re-exec (XLA reads it when its backend starts), so the process re-executes at most
-    once. Call first thing in a launch script, before JAX starts: the process image is replaced.
+    A no-op off glibc Linux, when JAX will not run on the CPU, or when opted out; when only the
+    XLA flag is missing it is set without a re-exec (XLA reads it when its backend starts), so the
+    process re-executes at most once. Call first thing in a launch script, before JAX starts:
+    the process image is replaced.
     """
-    if not is_glibc_linux():
+    if not is_glibc_linux() or not jax_runs_on_cpu():
         return
     update = malloc_settings_update(os.environ)
     os.environ.update(update)

@@ -3,11 +3,11 @@
 ``mpirun -n 8`` on an 8-core host starts 8 processes, and by default each XLA CPU client (and
 each torch process) runs its intra-op work on *all* cores: 64 threads fighting over 8 cores,
 with every collective waiting for the slowest, descheduled one. XLA's thread-pool flags
-(``--xla_cpu_multi_thread_eigen=false``, ``intra_op_parallelism_threads``) are accepted but
-do not limit the current CPU runtime (measured: a 2048^2 matmul runs at the same 2-core speed
-with them); XLA sizes its pool from the process's CPU affinity mask when its backend starts.
-:func:`configure_cpu_threads` (called by the launch path before JAX starts its backend) sets
-the flags anyway, with torch/OpenMP thread counts, to ``cores // local processes``, and:
+(``--xla_cpu_multi_thread_eigen=false``) do not limit the current CPU runtime (measured: a
+2048^2 matmul runs at the same 2-core speed with it), so none is set; XLA sizes its pool from
+the process's CPU affinity mask when its backend starts. :func:`configure_cpu_threads` (called
+by the launch path before JAX starts its backend, a no-op unless JAX will run on the CPU) sets
+the OpenMP/BLAS thread counts to ``cores // local processes``, and:
 
 * ``share_pool=True`` (the launch path's choice for layouts without pipeline parallelism):
   narrows the affinity mask to the process's share of the cores until the backend has started,
@@ -26,6 +26,8 @@ the flags anyway, with torch/OpenMP thread counts, to ``cores // local processes
 from __future__ import annotations
 
 import os
+
+from core.jax_backend import jax_runs_on_cpu
 
 _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE",
                     "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")
@@ -92,12 +94,13 @@ def _narrows_affinity(share_pool: bool) -> bool:
 
 def configure_cpu_threads(share_pool: bool = False) -> int:
     """Size thread pools to this process's share of the cores (call before JAX starts its
-    backend). With ``MCJ_CPU_AFFINITY=1`` pin the process to :func:`cores_for_this_process`;
-    else with ``share_pool`` narrow its affinity to them until :func:`release_cpu_affinity`
-    (XLA sizes its pool from the mask when the backend starts). Returns the thread count."""
-    if local_process_count() <= 1:
+    backend; nothing changes when JAX will not run on the CPU). With ``MCJ_CPU_AFFINITY=1`` pin
+    the process to :func:`cores_for_this_process`; else with ``share_pool`` narrow its affinity
+    to them until :func:`release_cpu_affinity` (XLA sizes its pool from the mask when the
+    backend starts). Returns the thread count."""
+    if local_process_count() <= 1 or not jax_runs_on_cpu():
         return available_cores()
-    threads = configure_xla_cpu_threads()  # from the whole mask, before it is narrowed
+    threads = configure_library_threads()  # from the whole mask, before it is narrowed
     global _FULL_AFFINITY
     if _narrows_affinity(share_pool) and _FULL_AFFINITY is None:
         if not _pinned():  # share_pool: remember the whole mask to give back
@@ -120,18 +123,10 @@ def release_cpu_affinity() -> None:
     _FULL_AFFINITY = None
 
 
-def configure_xla_cpu_threads() -> int:
-    """Limit XLA's CPU intra-op threads to :func:`threads_per_process` (call before JAX's backend
-    starts; a no-op when this is the only process on the host or ``XLA_FLAGS`` already sets it).
-    Returns the thread count chosen."""
+def configure_library_threads() -> int:
+    """Set OpenMP/BLAS thread counts (``OMP_NUM_THREADS`` and friends, unless the user set them)
+    to :func:`threads_per_process`; returns that count."""
     threads = threads_per_process()
-    flags = os.environ.get("XLA_FLAGS", "")
-    if local_process_count() == 1 or "intra_op_parallelism_threads" in flags or "multi_thread_eigen" in flags:
-        return threads
-    extra = f"intra_op_parallelism_threads={threads}"
-    if threads == 1:
-        extra = "--xla_cpu_multi_thread_eigen=false " + extra
-    os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, str(threads))
     return threads

@@ -28,12 +28,15 @@ tests can build and pass a state explicitly (see :func:`build_parallel_state`).
 from __future__ import annotations
 
 import dataclasses
-import os
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
+
+# initialize_distributed and mpi_world_size_from_env are part of this module's API (re-exported).
+from core.cluster import initialize_distributed, mpi_world_size_from_env, process_host_index  # noqa: F401
 
 TP_AXIS = "tp"
 CP_AXIS = "cp"
@@ -43,8 +46,6 @@ PP_AXIS = "pp"
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _TOKENS = (TP_AXIS, CP_AXIS, EP_AXIS, DP_AXIS, PP_AXIS)
 
-# Environment variables that MPI launchers set to the number of ranks in the job.
-_MPI_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 # ---------------------------------------------------------------------------------------
@@ -212,9 +213,39 @@ class ParallelState:
         return int(self.device_ranks[tuple(c[a] for a in self.mesh.axis_names)])
 
 
-def _global_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
+def device_host(device: jax.Device) -> int:
+    """The host a device sits on, as an index (``core.cluster.process_host_index``)."""
+    return process_host_index(device.process_index)
+
+
+def _global_devices(devices: Sequence[jax.Device] | None, host_of: Callable[[jax.Device], Hashable]) -> list:
+    """Devices in global-rank order: host by host, then by process and device id, so that the
+    consecutive ranks of the fastest mesh axes (tp first) share a host whatever order the
+    launcher gave the processes (e.g. ``mpirun --map-by node`` places them round-robin)."""
     devs = list(jax.devices() if devices is None else devices)
-    return sorted(devs, key=lambda d: (d.process_index, d.id))
+    hosts = {d: host_of(d) for d in devs}
+    order = {h: i for i, h in enumerate(dict.fromkeys(hosts[d] for d in sorted(devs, key=_process_order)))}
+    return sorted(devs, key=lambda d: (order[hosts[d]], _process_order(d)))
+
+
+def _process_order(d: jax.Device) -> tuple[int, int]:
+    return d.process_index, d.id
+
+
+def _warn_if_tp_spans_hosts(state: ParallelState, devs: list, host_of: Callable[[jax.Device], Hashable]) -> None:
+    """Tensor parallelism all-reduces activations in every layer: warn (on process 0, with the
+    numbers) when its groups must cross hosts."""
+    tp = state.tensor_model_parallel_size
+    spans = [len({host_of(devs[r]) for r in group}) for group in state.groups((TP_AXIS,))]
+    if max(spans) <= 1 or jax.process_index() != 0:
+        return
+    per_host: dict[Hashable, int] = {}
+    for d in devs:
+        per_host[host_of(d)] = per_host.get(host_of(d), 0) + 1
+    warnings.warn(
+        f"tensor-parallel groups of {tp} devices span up to {max(spans)} hosts (the smallest host has "
+        f"{min(per_host.values())} devices): their activation all-reduces cross the network in every layer; "
+        "use a tensor-model-parallel size that fits in a host", stacklevel=3)
 
 
 def _validate_sizes(world: int, tp: int, pp: int, vpp: int | None, cp: int, ep: int) -> int:
@@ -284,14 +315,22 @@ def build_parallel_state(
     expert_model_parallel_size: int = 1,
     order: str = DEFAULT_ORDER,
     devices: Sequence[jax.Device] | None = None,
+    host_of: Callable[[jax.Device], Hashable] | None = None,
 ) -> ParallelState:
     """Build a :class:`ParallelState` over ``devices`` (default: all global devices).
+
+    Global ranks follow the devices host by host (``host_of``, default :func:`device_host`),
+    then by process and device id, so tensor-parallel groups stay inside a host whenever tp
+    divides a host's device count; a warning names the numbers when they cannot. With one host,
+    or hosts whose processes are numbered consecutively (the launchers' default), rank ``r`` is
+    the ``r``-th device by (process, id), as before.
 
     Pure with respect to module state: nothing is stored. Raises ``RuntimeError`` or
     ``ValueError`` naming the offending numbers; the checks depend only on the arguments
     and the world size, so every rank raises the same error before any communication.
     """
-    devs = _global_devices(devices)
+    host_of = host_of or device_host
+    devs = _global_devices(devices, host_of)
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
     cp, ep = context_parallel_size, expert_model_parallel_size
     dp = _validate_sizes(len(devs), tp, pp, vpp, cp, ep)
@@ -304,38 +343,8 @@ def build_parallel_state(
     mesh = Mesh(np.array(devs, dtype=object)[ranks], mesh_axes)
     state = ParallelState(mesh, tp, pp, vpp, cp, ep, dp, gen.order, ranks)
     _check_against_rank_generators(state)
+    _warn_if_tp_spans_hosts(state, devs, host_of)
     return state
-
-
-# ---------------------------------------------------------------------------------------
-# jax.distributed bootstrap
-# ---------------------------------------------------------------------------------------
-
-
-def mpi_world_size_from_env() -> int:
-    """Number of ranks an MPI launcher started, from its environment (1 when not under MPI)."""
-    for var in _MPI_WORLD_SIZE_VARS:
-        if os.environ.get(var):
-            return int(os.environ[var])
-    return 1
-
-
-def initialize_distributed() -> None:
-    """Initialise ``jax.distributed`` through mpi4py when launched by mpirun with >1 rank.
-
-    A no-op when it is already initialised or when running as a single process.
-    """
-    if jax.distributed.is_initialized() or mpi_world_size_from_env() <= 1:
-        return
-    try:
-        jax.distributed.initialize(cluster_detection_method="mpi4py")
-    except RuntimeError as err:
-        raise RuntimeError(
-            "jax.distributed could not be initialised for this mpirun job. It must happen before "
-            "any other JAX call touches the devices (jax.devices(), creating arrays, ...): call "
-            "core.parallel_state.initialize_model_parallel() or initialize_distributed() first. "
-            f"JAX said: {err}"
-        ) from err
 
 
 # ---------------------------------------------------------------------------------------

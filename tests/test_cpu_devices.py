@@ -38,14 +38,9 @@ def test_user_count_wins(host, monkeypatch):
     assert cpu_devices.cpu_devices_per_process(lambda n: n == 8) == 3
 
 
-def test_one_device_off_the_cpu(host, monkeypatch):
+def test_one_device_and_nothing_set_off_the_cpu(host, monkeypatch):
     host(1)
     monkeypatch.setattr(cpu_devices, "jax_runs_on_cpu", lambda: False)
     assert cpu_devices.cpu_devices_per_process() == 1
-
-
-@pytest.mark.parametrize("platforms, on_cpu", [("cpu", True), ("cpu,cuda", True), ("cuda", False),
-                                                ("tpu,cpu", False)])
-def test_jax_platforms_decides(monkeypatch, platforms, on_cpu):
-    monkeypatch.setenv("JAX_PLATFORMS", platforms)
-    assert cpu_devices.jax_runs_on_cpu() is on_cpu
+    cpu_devices.configure_cpu_devices(4)
+    assert cpu_devices.ENV_VAR not in cpu_devices.os.environ

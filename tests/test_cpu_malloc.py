@@ -79,6 +79,12 @@ def test_reexec_applies_settings_once_and_keeps_arguments(tmp_path):
     assert result["tunables"] == KEEP and result["xla_flags"] == XLA_HEAP_FLAG
 
 
+def test_reexec_skipped_off_the_cpu(tmp_path):
+    """A run JAX will start on a GPU keeps glibc's defaults and gets no XLA heap flag."""
+    before, result = _run(tmp_path, {"JAX_PLATFORMS": "cuda"})
+    assert before == ["start"] and result["tunables"] is None and result["xla_flags"] is None
+
+
 def test_reexec_skipped_when_opted_out_or_already_set(tmp_path):
     before, result = _run(tmp_path, {OPT_OUT_VAR: "0"})
     assert before == ["start"] and result["tunables"] is None and result["xla_flags"] is None

@@ -9,6 +9,7 @@ from core import cpu_threads
 def host(monkeypatch):
     """A fake 8-core host; returns a setter for the launcher's local size and rank."""
     monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(cpu_threads, "jax_runs_on_cpu", lambda: True)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     for var in (*cpu_threads._LOCAL_SIZE_VARS, "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)  # restored after the test
@@ -35,21 +36,35 @@ def test_shares_are_disjoint_and_cover_the_host(host):
     assert sorted(seen) == list(range(8))
 
 
-def test_xla_threads_follow_the_local_process_count(host, monkeypatch):
+def test_thread_counts_follow_the_local_process_count_and_no_xla_flag_is_set(host, monkeypatch):
+    """Library thread counts are the process's share; XLA_FLAGS is left alone (its thread flags do
+    nothing on the current CPU runtime, and a malformed one made XLA abort)."""
     host(8, 0)
     assert cpu_threads.configure_cpu_threads() == 1
-    assert "--xla_cpu_multi_thread_eigen=false" in cpu_threads.os.environ["XLA_FLAGS"]
-    monkeypatch.delenv("XLA_FLAGS")
+    assert cpu_threads.os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
     host(2, 0)
     assert cpu_threads.configure_cpu_threads() == 4
-    assert "intra_op_parallelism_threads=4" in cpu_threads.os.environ["XLA_FLAGS"]
+    assert cpu_threads.os.environ["OMP_NUM_THREADS"] == "4"
+    assert "XLA_FLAGS" not in cpu_threads.os.environ
 
 
-def test_user_flags_win(host, monkeypatch):
+def test_user_thread_count_wins(host, monkeypatch):
     host(4, 0)
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=true")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     cpu_threads.configure_cpu_threads()
-    assert cpu_threads.os.environ["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=true"
+    assert cpu_threads.os.environ["OMP_NUM_THREADS"] == "3"
+
+
+def test_nothing_changes_off_the_cpu(host, monkeypatch):
+    """A GPU run: no thread counts, no affinity narrowing, whatever the local process count."""
+    calls = []
+    monkeypatch.setattr(cpu_threads.os, "sched_setaffinity", lambda pid, cores: calls.append(pid), raising=False)
+    monkeypatch.setattr(cpu_threads, "jax_runs_on_cpu", lambda: False)
+    monkeypatch.setenv("MCJ_CPU_AFFINITY", "1")
+    host(8, 3)
+    assert cpu_threads.configure_cpu_threads(share_pool=True) == 8
+    assert calls == [] and "OMP_NUM_THREADS" not in cpu_threads.os.environ
 
 
 def test_share_pool_narrows_until_released(host, monkeypatch):

@@ -182,3 +182,43 @@ def test_initialize_twice_without_destroy():
         ps.initialize_model_parallel(2)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(4)
+
+
+# -- hosts: tensor parallelism stays inside a host ------------------------------------------
+def _host_of(hosts):
+    """Simulated hosts: device with id ``i`` sits on host ``hosts[i]``."""
+    return lambda d: hosts[d.id]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_groups_stay_in_a_host_whatever_the_process_placement(tp, recwarn):
+    """``mpirun --map-by node`` numbers processes round-robin over two hosts (even ids on host 0,
+    odd on host 1): the mesh still keeps every tp group on one host, and Megatron's rank math
+    holds over the host-ordered ranks."""
+    round_robin = _host_of({d.id: d.id % 2 for d in jax.devices()})
+    state = ps.build_parallel_state(tp, 2 if tp == 2 else 1, host_of=round_robin)
+    by_rank = dict(zip(state.device_ranks.flat, state.mesh.devices.flat))
+    for group in state.groups(("tp",)):
+        assert len({round_robin(by_rank[r]) for r in group}) == 1, group
+    assert not [w for w in recwarn if "tensor-parallel" in str(w.message)]
+
+
+def test_default_placement_is_unchanged_with_hosts_in_process_order():
+    """Hosts holding consecutive processes (the launchers' default): the same mesh as without hosts."""
+    contiguous = _host_of({d.id: d.id // 4 for d in jax.devices()})
+    for tp, pp in [(2, 2), (4, 1), (1, 4)]:
+        plain = ps.build_parallel_state(tp, pp)
+        hosted = ps.build_parallel_state(tp, pp, host_of=contiguous)
+        assert (plain.mesh.devices == hosted.mesh.devices).all()
+
+
+def test_tp_wider_than_a_host_warns_with_the_numbers():
+    two_per_host = _host_of({d.id: d.id // 2 for d in jax.devices()})
+    with pytest.warns(UserWarning, match=r"tensor-parallel groups of 4 devices span up to 2 hosts \(the smallest "
+                                         r"host has 2 devices\)"):
+        ps.build_parallel_state(4, 1, host_of=two_per_host)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ps.build_parallel_state(2, 2, host_of=two_per_host)  # fits: no warning
