@@ -152,7 +152,7 @@ def main() -> None:
               "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
               "device": f"{jax.devices()[0].platform}:{jax.devices()[0].device_kind}"}
     if a.peak:
-        from core.training.train_logging import measure_matmul_peak
+        from core.training.device_peak import measure_matmul_peak
 
         peak = measure_matmul_peak()
         record["matmul_peak_flops"] = peak

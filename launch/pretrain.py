@@ -40,28 +40,45 @@ def _fail(rank: int, code: int, message: str) -> None:
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, re-execute with the malloc settings (as a script), validate, set up the mesh, train;
-    returns the exit code."""
+def _configure_cpu(args, processes: int, reexec: bool) -> None:
+    """CPU backend only, before JAX starts: malloc settings (re-executes the script), devices per
+    process (one per core of the process's share, as many as the layout divides) and threads."""
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
     from core.cpu_malloc import reexec_with_malloc_settings
     from core.cpu_threads import configure_cpu_threads
-    from core.training.arguments import ArgumentError, fill_defaults, layout_fits, parse_args, validate_args
+    from core.training.arguments import fill_defaults, layout_fits
+
+    # tp/pp defaults follow what was launched; the devices chosen for the cores only add dp.
+    fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
+    if reexec:  # run as a script: glibc reads its malloc settings at start-up only
+        reexec_with_malloc_settings()
+    configure_cpu_devices(cpu_devices_per_process(lambda n: layout_fits(args, processes * n)))
+    # Pipeline stages lend their cores to each other in the bubbles, so only the other layouts
+    # get a thread pool of their share's size.
+    configure_cpu_threads(share_pool=args.pipeline_model_parallel_size == 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, apply the CPU settings (CPU backend only), start ``jax.distributed``, validate the
+    flags against the devices the job really has, set up the mesh, train; returns the exit code."""
+    from core.cluster import ClusterError, initialize_distributed
+    from core.jax_backend import jax_runs_on_cpu
+    from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
 
     args = parse_args(argv)
     rank, processes = _rank_and_world()
-    # tp/pp defaults follow what was launched; on CPU, the devices chosen for the cores only add dp.
-    fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
-    # Pipeline stages lend their cores to each other in the bubbles, so only the other layouts
-    # get a thread pool of their share's size.
-    share_pool = args.pipeline_model_parallel_size == 1
-    if argv is None:  # run as a script: glibc reads its malloc settings at start-up only
-        reexec_with_malloc_settings()
-    devices = cpu_devices_per_process(lambda n: layout_fits(args, processes * n))
-    configure_cpu_devices(devices)
-    configure_cpu_threads(share_pool)  # before JAX starts its CPU backend
+    if jax_runs_on_cpu():
+        _configure_cpu(args, processes, reexec=argv is None)
     try:
-        layout = validate_args(args, processes * devices)
+        initialize_distributed()
+    except ClusterError as e:
+        _fail(rank, EXIT_BAD_INPUT, str(e))
+    import jax
+
+    world = jax.device_count()  # processes x devices each: one host with 8 GPUs, 8 ranks of 1, ...
+    fill_defaults(args, world)  # accelerators: the defaults follow the devices (a no-op when set above)
+    try:
+        layout = validate_args(args, world)
     except ArgumentError as e:
         _fail(rank, EXIT_BAD_INPUT, str(e))
     return _run(args, layout, rank)
@@ -77,9 +94,12 @@ def _run(args, layout, rank: int) -> int:
 
     from core import parallel_state as ps
     from core.cpu_threads import release_cpu_affinity
+    from core.training.compilation_cache import default_cache_dir, enable_compilation_cache
     from core.training.pretrainer import Pretrainer, TrainingError
     from core.training.train_logging import TrainingLogger
 
+    if not args.no_compilation_cache:
+        enable_compilation_cache(args.compilation_cache_dir or default_cache_dir())
     state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                          layout.virtual_pipeline_model_parallel_size)
     release_cpu_affinity()  # the backend has sized its thread pool
@@ -93,6 +113,7 @@ def _run(args, layout, rank: int) -> int:
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     logger.print(f"> {jax.process_count()} processes, {jax.device_count()} {jax.devices()[0].platform} devices, "
                  f"layout {layout.describe()}, {layout.num_microbatches} microbatches of {args.micro_batch_size}")
+    logger.print(f"> MFU against a peak of {trainer.peak.describe()} per device")
     data = trainer.data
     logger.print(f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
                  f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {data.corpus_description}, "

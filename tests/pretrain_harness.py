@@ -40,4 +40,5 @@ LAYOUTS = [
     (1, 4, ()),
     (1, 4, ("--use-distributed-optimizer", "--overlap-grad-reduce")),
     (2, 2, ("--virtual-pipeline-model-parallel-size", "2", "--sequence-parallel")),
+    (2, 2, ("--scan-layers",)),  # rolled layer loop (compile time independent of depth)
 ]

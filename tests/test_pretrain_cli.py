@@ -142,6 +142,32 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
     assert latest_step(str(ckpt)) == 1
 
 
+def test_layout_follows_the_devices_not_the_processes(tmp_path):
+    """2 processes x 4 devices each (as one host with 2 ranks of 4 GPUs): the world is the 8
+    devices, the defaults give tp=2 pp=2 dp=2 and the run trains with the layout it prints; the
+    coordinator port comes from JAX_COORDINATOR_PORT."""
+    metrics = tmp_path / "m.jsonl"
+    cmd = ["mpirun", "--oversubscribe", "-x", "XLA_FLAGS", "-x", "JAX_NUM_CPU_DEVICES=4", "-x",
+           "JAX_COORDINATOR_PORT=47213", "-n", "2", sys.executable, PRETRAIN]
+    result = subprocess.run(cmd + SMALL + ["--train-iters", "3", "--metrics-file", str(metrics)], capture_output=True,
+                            text=True, timeout=600, env=_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes, 8 cpu devices, layout tp=2 pp=2 dp=2, 2 microbatches of 2" in result.stdout
+    assert sorted(_losses(metrics)) == [1, 2, 3]
+
+
+def test_bf16_run_learns(tmp_path):
+    """``--bf16`` end to end on the CPU (bf16 compute, fp32 params and optimizer): the loss falls."""
+    metrics = tmp_path / "m.jsonl"
+    flags = SMALL + ["--bf16", "--train-iters", "30", "--lr", "3e-3", "--metrics-file", str(metrics)]
+    result = subprocess.run([sys.executable, PRETRAIN, *flags], capture_output=True, text=True, timeout=600,
+                            env=_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bf16 2048^2 matmul, measured" in result.stdout  # MFU against the compute dtype's peak
+    losses = _losses(metrics)
+    assert len(losses) == 30 and losses[30] < losses[1] - 1.0, losses
+
+
 @pytest.mark.parametrize("user_devices", [None, "1"])
 def test_plain_python_single_process(tmp_path, user_devices):
     """``python launch/pretrain.py`` (no mpirun): one process, tp=pp=1, one CPU device per core

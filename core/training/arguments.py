@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--recompute-activations", action="store_true", help="recompute each layer in the backward")
+    g.add_argument("--scan-layers", action="store_true",
+                   help="run each pipeline chunk's layers as a rolled lax.scan: compile time independent of depth "
+                        "(default: unrolled, faster steps)")
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (fp32 params and optimizer)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -78,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations (testing)")
+    g = p.add_argument_group("compilation")
+    g.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
+                        "~/.cache/megatron_core_jax/jax)")
+    g.add_argument("--no-compilation-cache", action="store_true", help="compile every program afresh")
     return p
 
 
@@ -172,4 +180,5 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
         seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel,
-        recompute_granularity="full" if args.recompute_activations else None, bf16=args.bf16)
+        recompute_granularity="full" if args.recompute_activations else None, bf16=args.bf16,
+        unroll_layers=not args.scan_layers)

@@ -5,6 +5,13 @@ schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping 
 (distributed) optimizer. The data order is a pure function of ``--seed`` and the number of
 consumed samples, parameters and optimizer state live in the checkpoint, and nothing else is
 random (no dropout), so resuming reproduces the uninterrupted run.
+
+The loop does not wait for a step's loss before starting the next: JAX dispatches steps
+asynchronously, so the host builds batch ``i + 1`` while the device runs step ``i``, and
+losses and grad norms are read back (one transfer) only when a line is logged, before an
+evaluation or a checkpoint, and at the end. At most two steps are in flight. A non-finite
+loss or grad norm found then stops the run naming its first iteration; nothing after it is
+saved.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ from core.models.gpt import GPTModel
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
 from core.training.arguments import ParallelLayout, model_config
-from core.training.train_logging import TrainingLogger, measure_matmul_peak, memory_per_device_bytes
+from core.training.device_peak import device_peak
+from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
 
 class TrainingError(RuntimeError):
@@ -101,6 +109,7 @@ class Pretrainer:
                                     adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
         self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
         self.logger = logger
+        self._peak = None
         self.data = PretrainingData(args, state)
         self.iteration = 0
         self.params = self.ddp.init(jax.random.key(args.seed),
@@ -123,22 +132,39 @@ class Pretrainer:
         return float(np.mean([float(self.eval_step(self.params, self.data.valid_batch(i)))
                               for i in range(self.args.eval_iters)]))
 
-    def step(self) -> dict[str, Any]:
-        """One training iteration; returns its metrics record (host values)."""
+    def dispatch_step(self) -> dict[str, Any]:
+        """Start one training iteration without waiting for it; returns its pending record, whose
+        ``loss`` and ``grad_norm`` are device arrays until :meth:`collect` reads them."""
         batch = self.data.next_train_batch()
-        t = time.perf_counter()
         self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
-        loss = float(metrics["loss"])  # blocks: the step time includes the whole step
-        elapsed = time.perf_counter() - t
         self.iteration += 1
-        grad_norm = float(metrics["grad_norm"])
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise TrainingError(f"iteration {self.iteration}: loss is {loss}, grad norm is {grad_norm} (NaN/Inf in the "
-                                "loss or gradients); stopping, the last checkpoint is kept")
+        return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
+                "loss": metrics["loss"], "lr": float(self.schedule(self.iteration - 1)),
+                "grad_norm": metrics["grad_norm"]}
+
+    def collect(self, pending: list[dict[str, Any]], elapsed: float) -> list[dict[str, Any]]:
+        """Read back the pending records' losses and grad norms (one transfer; waits for the last
+        step) and add timing over the ``elapsed`` seconds they took together. Raises
+        :class:`TrainingError` at the first non-finite value."""
+        values = jax.device_get([(r["loss"], r["grad_norm"]) for r in pending])
+        per_step = elapsed / max(1, len(pending))
         tokens = self.args.global_batch_size * self.args.seq_length
-        return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples, "loss": loss,
-                "lr": float(self.schedule(self.iteration - 1)), "grad_norm": grad_norm,
-                "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed}
+        records = []
+        for record, (loss, grad_norm) in zip(pending, values):
+            loss, grad_norm = float(loss), float(grad_norm)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise TrainingError(f"iteration {record['iteration']}: loss is {loss}, grad norm is {grad_norm} "
+                                    "(NaN/Inf in the loss or gradients); stopping, the last checkpoint is kept")
+            records.append({**record, "loss": loss, "grad_norm": grad_norm, "tokens_per_sec": tokens / per_step,
+                            "step_time_s": per_step})
+        return records
+
+    def step(self) -> dict[str, Any]:
+        """One training iteration, waited for; returns its metrics record (host values)."""
+        t = time.perf_counter()
+        pending = self.dispatch_step()
+        jax.block_until_ready(pending["loss"])
+        return self.collect([pending], time.perf_counter() - t)[0]
 
     # -- checkpoints -----------------------------------------------------------------------
     def model_record(self) -> dict[str, Any]:
@@ -203,35 +229,66 @@ class Pretrainer:
                 "--no-load-optim to load only the parameters (resharded) with a fresh optimizer state")
 
     # -- the loop ----------------------------------------------------------------------------
-    def train(self) -> list[dict[str, Any]]:
-        """Run to ``--train-iters`` (or ``--exit-interval``); returns the logged records."""
-        args, log = self.args, self.logger
-        peak = measure_matmul_peak()
-        # A process's CPU devices share its cores, and the peak was measured with all of them.
+    @property
+    def peak(self):
+        """The device peak MFU is taken against (:mod:`core.training.device_peak`), found once."""
+        if self._peak is None:
+            self._peak = device_peak(self.config.compute_dtype)
+        return self._peak
+
+    def _add_throughput(self, record: dict[str, Any]) -> None:
+        # A process's CPU devices share its cores, and a CPU peak is measured with all of them.
         devices_per_peak = jax.local_device_count() if jax.devices()[0].platform == "cpu" else 1
-        flops_per_token = self.config.flops_per_token()
-        records = []
+        per_device = record["tokens_per_sec"] / self.state.mesh.devices.size
+        record["tflops_per_device"] = self.config.flops_per_token() * per_device / 1e12
+        record["mfu"] = record["tflops_per_device"] * devices_per_peak * 1e12 / self.peak.flops
+        record["memory_per_device_bytes"] = memory_per_device_bytes()
+
+    def _must_collect(self, stop: int) -> bool:
+        """Whether this iteration's values are needed now: a log line, an evaluation, a checkpoint or the end."""
+        args, i = self.args, self.iteration
+        evaluate = bool(args.eval_interval) and i % args.eval_interval == 0
+        save = bool(args.save and args.save_interval) and i % args.save_interval == 0
+        return i == 1 or i == stop or i % args.log_interval == 0 or evaluate or save
+
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``--train-iters`` (or ``--exit-interval``); returns every iteration's record."""
+        args, log = self.args, self.logger
+        records, pending = [], []
         stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+        start = time.perf_counter()
         while self.iteration < stop:
-            record = self.step()
-            per_device = record["tokens_per_sec"] / self.state.mesh.devices.size
-            record["tflops_per_device"] = flops_per_token * per_device / 1e12
-            record["mfu"] = record["tflops_per_device"] * devices_per_peak * 1e12 / peak
-            record["memory_per_device_bytes"] = memory_per_device_bytes()
-            records.append(record)
-            if args.eval_interval and self.iteration % args.eval_interval == 0:
-                record["valid_loss"] = self.evaluate()
+            pending.append(self.dispatch_step())
             if log:
-                log.advance(record["loss"])
-                if self.iteration % args.log_interval == 0 or self.iteration == 1 or "valid_loss" in record:
-                    log.log_iteration(record, args.train_iters)
-                if "valid_loss" in record:
-                    self._log_validation(record["valid_loss"])
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                self._save_and_log()
-        if args.save and (not args.save_interval or self.iteration % args.save_interval):
-            self._save_and_log()  # the final state, unless the interval just saved it
+                log.advance()
+            if len(pending) >= 2:  # at most two steps in flight: the device stays busy with the newest
+                jax.block_until_ready(pending[-2]["loss"])
+            if not self._must_collect(stop):
+                continue
+            done = self.collect(pending, time.perf_counter() - start)
+            pending = []
+            for record in done:
+                self._add_throughput(record)
+            records += done
+            self._after_collect(done[-1], stop)
+            start = time.perf_counter()  # evaluation and checkpoint time is not step time
         return records
+
+    def _after_collect(self, record: dict[str, Any], stop: int) -> None:
+        """Evaluate, log and save at an iteration whose values were just read back."""
+        args, log, i = self.args, self.logger, self.iteration
+        if args.eval_interval and i % args.eval_interval == 0:
+            record["valid_loss"] = self.evaluate()
+        if log:
+            log.set_loss(record["loss"])
+            if i % args.log_interval == 0 or i == 1 or "valid_loss" in record:
+                log.log_iteration(record, args.train_iters)
+            if "valid_loss" in record:
+                self._log_validation(record["valid_loss"])
+        if args.save and args.save_interval and i % args.save_interval == 0:
+            self._save_and_log()
+        elif args.save and i == stop:
+            self._save_and_log()  # the final state
 
     def _save_and_log(self) -> None:
         self.save(self.args.save)

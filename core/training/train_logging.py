@@ -1,34 +1,14 @@
 """What a training run prints and records: Megatron-like log lines, a progress bar, a metrics
-file, and the measured device peak that the MFU estimate is taken against (rank 0 writes)."""
+file, and the peak memory per device (rank 0 writes)."""
 
 from __future__ import annotations
 
 import json
 import resource
 import sys
-import time
 from typing import Any, TextIO
 
 import jax
-import jax.numpy as jnp
-
-
-def measure_matmul_peak(n: int = 2048, repeats: int = 5) -> float:
-    """Dense fp32 matmul FLOP/s of this process's first device (best of ``repeats``).
-
-    Measured in the same process as the training, so with several processes per host it is
-    this process's share of the machine, which is what its MFU should be compared with.
-    """
-    device = jax.local_devices()[0]
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
 
 
 def memory_per_device_bytes() -> int:
@@ -65,10 +45,14 @@ class TrainingLogger:
         else:
             print(line, file=self.stream, flush=True)
 
-    def advance(self, loss: float) -> None:
-        """Tick the progress bar."""
+    def advance(self) -> None:
+        """Tick the progress bar (one iteration dispatched)."""
         if self.bar is not None:
             self.bar.update(1)
+
+    def set_loss(self, loss: float) -> None:
+        """Show the latest loss read back on the progress bar."""
+        if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
 
     def log_iteration(self, record: dict[str, Any], train_iters: int) -> None:

@@ -1,0 +1,41 @@
+"""The launch path's persistent compilation cache (core/training/compilation_cache.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from core.training import compilation_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_directory(monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/x/y")
+    assert compilation_cache.default_cache_dir() == "/x/y"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/c")
+    assert compilation_cache.default_cache_dir() == "/c/megatron_core_jax/jax"
+
+
+def test_cpu_isa_fingerprint_is_stable():
+    a, b = compilation_cache.cpu_isa_fingerprint(), compilation_cache.cpu_isa_fingerprint()
+    assert a == b and len(a.split()) == 2
+
+
+def _launch(cache_dir, n=2):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    if os.getuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    out = subprocess.run(["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(ROOT / "tests" / "cache_probe.py"),
+                          str(cache_dir)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return sorted(line for line in out.stdout.splitlines() if line.endswith(("hit", "miss")))
+
+
+def test_every_process_of_a_second_cpu_launch_reads_the_cache(tmp_path):
+    """Process 0 writes the entries; in the next launch every process finds them (JAX's own CPU
+    key differs per process, so processes other than 0 used to compile everything again)."""
+    assert _launch(tmp_path) == ["0 miss", "1 miss"]
+    assert _launch(tmp_path) == ["0 hit", "1 hit"]
