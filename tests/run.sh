@@ -3,23 +3,25 @@
 # never hang the run. Prints one summary line at the end; exits non-zero on any failure.
 #   level 1: one process, 8 simulated CPU devices (fast unit and equivalence tests)
 #   level 2: mpirun -n $MPI_NP (default 8) real processes, tests marked @pytest.mark.mpi
+# This is the CPU suite: it runs on the CPU backend even on a GPU host (the GPU set is
+# `pytest -m gpu tests`, see README "GPUs and clusters").
 set -u
 cd "$(dirname "$0")/.."
 NP=${MPI_NP:-8}
 OUT=${TEST_OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 
 echo "=== level 1: single process, 8 simulated devices"
-timeout --signal=KILL "${SINGLE_TIMEOUT:-1500}" python -m pytest -q -p no:randomly \
+timeout --signal=KILL "${SINGLE_TIMEOUT:-1500}" python -m pytest -q -p no:randomly -m "not gpu" \
     --junitxml="$OUT/single.xml" "$@" tests
 rc1=$?
 
 echo "=== level 2: mpirun -n $NP real processes"
 # Processes that share the cores must not each spin up a full Eigen thread pool.
 XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" \
-timeout --signal=KILL "${MPI_TIMEOUT:-1200}" mpirun -x XLA_FLAGS --oversubscribe -n "$NP" \
+timeout --signal=KILL "${MPI_TIMEOUT:-1200}" mpirun -x XLA_FLAGS -x JAX_PLATFORMS --oversubscribe -n "$NP" \
     python tests/mpi_rank.py --junitxml="$OUT/mpi" --color=no "$@"
 rc2=$?
 

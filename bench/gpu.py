@@ -1,0 +1,216 @@
+"""GPU benchmark, one command: ``PYTHONPATH=. python bench/gpu.py`` on a GPU host (nothing to
+download; under 8 minutes on one H100/H200).
+
+1. Prints the device, JAX and jaxlib versions.
+2. Runs the GPU test set (``pytest -m gpu tests/test_gpu.py``).
+3. Times causal attention forward + backward in bf16 on ``[b=8, s=2048, heads=16, d=128]``: the
+   package's ``causal_attention`` (the function the model calls) against a direct
+   ``jax.nn.dot_product_attention(..., implementation="cudnn")`` call, and XLA's implementation.
+4. Trains a ~1.2B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, ``--bf16``) with
+   ``launch/pretrain.py`` for 30 iterations and reports tokens/s, model TFLOP/s and MFU per GPU
+   (against the datasheet dense bf16 peak), peak memory, compile time (first iteration minus a
+   steady one) and the whole process's time.
+
+Writes ``bench/results/gpu_<device>.md`` and prints it. ``--smoke`` runs the same steps with
+tiny shapes (it runs on the CPU too: the test suite checks the script that way). Each step runs
+in its own process, so each gets the whole GPU (JAX reserves 75% of its memory at start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes: check the script (CPU or GPU)")
+    p.add_argument("--no-tests", action="store_true", help="skip the GPU test set")
+    p.add_argument("--iters", type=int, default=30, help="GPT training iterations")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--gpt-flags", default="", help="extra launch/pretrain.py flags (e.g. --scan-layers)")
+    p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
+    p.add_argument("--part", choices=["info", "attention"], default=None, help=argparse.SUPPRESS)  # a child step
+    return p.parse_args()
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_gpu_tests() -> dict:
+    """The GPU test set in a subprocess: passed/failed/skipped counts and seconds."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-m", "gpu",
+                          str(ROOT / "tests" / "test_gpu.py")], capture_output=True, text=True, cwd=ROOT, env=_env(),
+                         timeout=600)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.stdout)}
+    if out.returncode not in (0, 5):
+        print(out.stdout[-4000:], out.stderr[-2000:], sep="\n")
+    return {"passed": counts.get("passed", 0), "failed": counts.get("failed", 0) + counts.get("error", 0),
+            "skipped": counts.get("skipped", 0), "seconds": time.perf_counter() - start}
+
+
+def time_attention(shape: tuple[int, int, int, int], reps: int) -> dict[str, float | None]:
+    """Median ms of forward + backward of causal attention on bf16 ``shape`` ([b, s, heads, d])."""
+    import jax
+    import jax.numpy as jnp
+    from timing import median_seconds
+
+    from core.models.gpt.causal_attention import causal_attention
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, cot = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
+
+    def fwd_bwd(attention):
+        loss = lambda q, k, v: jnp.sum((attention(q, k, v) * cot).astype(jnp.float32))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+    variants = {
+        "package": lambda q, k, v: causal_attention(q, k, v, "bsnd"),
+        "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+        "xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"),
+    }
+    times: dict[str, float | None] = {}
+    for name, attention in variants.items():
+        try:
+            times[name] = 1e3 * median_seconds(fwd_bwd(attention), q, k, v, reps=reps, warmup=2)
+        except Exception as err:  # cuDNN absent (CPU smoke run) or refusing the shape
+            print(f"  attention {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            times[name] = None
+    return times
+
+
+def gpt_flags(a: argparse.Namespace) -> list[str]:
+    """The launch/pretrain.py flags of the benchmark GPT."""
+    if a.smoke:
+        shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+        batch = ["--micro-batch-size", "2", "--global-batch-size", "4"]
+    else:
+        shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
+        batch = ["--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size)]
+    return [*shape, *batch, "--bf16", "--train-iters", str(a.iters), "--log-interval", "1", "--eval-interval",
+            "1000000", "--lr", "3e-4", "--lr-warmup-iters", "2", "--no-progress-bar", *a.gpt_flags.split()]
+
+
+def train_gpt(a: argparse.Namespace) -> dict:
+    """Run launch/pretrain.py (one process, every local GPU); summarise its metrics file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *gpt_flags(a), "--metrics-file", str(metrics),
+               "--compilation-cache-dir", str(Path(tmp) / "xla-cache")]  # a cold compile, measured
+        start = time.perf_counter()
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+        wall = time.perf_counter() - start
+        if out.returncode:
+            print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
+            return {"error": f"exit {out.returncode}", "process_s": wall}
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    header = next((line for line in out.stdout.splitlines() if "parameters" in line), "")
+    steady = records[min(5, len(records) - 1):]  # after compile and the first steps
+    step = statistics.median(r["step_time_s"] for r in steady)
+    return {"header": header, "peak": next((line for line in out.stdout.splitlines() if "MFU against" in line), ""),
+            "step_s": step, "tokens_per_sec": statistics.median(r["tokens_per_sec"] for r in steady),
+            "tflops_per_device": statistics.median(r["tflops_per_device"] for r in steady),
+            "mfu": statistics.median(r["mfu"] for r in steady),
+            "memory_gib": max(r["memory_per_device_bytes"] for r in records) / 2**30,
+            "compile_s": records[0]["step_time_s"] - step, "first_loss": records[0]["loss"],
+            "last_loss": records[-1]["loss"], "process_s": wall}
+
+
+def report(info: dict, tests: dict | None, attention: dict, attention_shape, gpt: dict, flags: list[str]) -> str:
+    """The markdown the run writes."""
+    lines = [f"# GPU benchmark: {info['device']}", "",
+             f"{time.strftime('%Y-%m-%d')}; {info['count']} x {info['device']}; JAX {info['jax']}, jaxlib "
+             f"{info['jaxlib']}, Python {info['python']}; `python bench/gpu.py`.", ""]
+    if tests is not None:
+        lines += [f"GPU test set: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
+                  f"({tests['seconds']:.0f} s).", ""]
+    b, s, n, d = attention_shape
+    package, cudnn, xla = (attention.get(k) for k in ("package", "cudnn", "xla"))
+    ms = lambda x: "n/a" if x is None else f"{x:.2f}"
+    ratio = f"{package / cudnn:.2f}x" if package and cudnn else "n/a"
+    lines += [f"Causal attention, forward + backward, bf16 [b={b}, s={s}, heads={n}, d={d}] (median ms):", "",
+              "| package `causal_attention` | direct cuDNN call | XLA implementation | package / cuDNN |",
+              "|---|---|---|---|", f"| {ms(package)} | {ms(cudnn)} | {ms(xla)} | {ratio} |", ""]
+    if "error" in gpt:
+        lines += [f"GPT training failed: {gpt['error']}", ""]
+    else:
+        lines += [f"GPT pretraining (`launch/pretrain.py {' '.join(flags)}`):", "", f"    {gpt['header']}",
+                  f"    {gpt['peak']}", "",
+                  "| tokens/s | step s | model TFLOP/s/GPU | MFU | peak memory GiB | compile s | process s | loss |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {gpt['tokens_per_sec']:.0f} | {gpt['step_s']:.3f} | {gpt['tflops_per_device']:.1f} | "
+                  f"{100 * gpt['mfu']:.1f}% | {gpt['memory_gib']:.1f} | {gpt['compile_s']:.1f} | "
+                  f"{gpt['process_s']:.0f} | {gpt['first_loss']:.3f} -> {gpt['last_loss']:.3f} |", ""]
+    return "\n".join(lines)
+
+
+def device_info() -> dict:
+    """Device kind and count, platform, versions (run in a child process)."""
+    import jax
+    import jaxlib
+
+    device = jax.devices()[0]
+    return {"device": device.device_kind, "platform": device.platform, "count": jax.local_device_count(),
+            "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]}
+
+
+def _child(part: str, a: argparse.Namespace) -> dict:
+    """Run ``--part part`` of this script in a fresh process; its last output line is JSON."""
+    cmd = [sys.executable, __file__, "--part", part] + (["--smoke"] if a.smoke else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+    print(out.stdout[:-1] if out.returncode == 0 else out.stdout + out.stderr[-3000:], flush=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _attention_shape(smoke: bool) -> tuple[int, int, int, int]:
+    return (1, 64, 2, 64) if smoke else (8, 2048, 16, 128)
+
+
+def main() -> None:
+    """Run every step and write the report."""
+    a = _args()
+    if a.part == "info":
+        print(json.dumps(device_info()))
+        return
+    if a.part == "attention":
+        print(json.dumps(time_attention(_attention_shape(a.smoke), reps=3 if a.smoke else 20)))
+        return
+    info = _child("info", a)
+    print(f"> {info['count']} x {info['device']} ({info['platform']}); JAX {info['jax']}, jaxlib {info['jaxlib']}",
+          flush=True)
+    tests = None if a.no_tests else run_gpu_tests()
+    if tests:
+        print(f"> GPU tests: {tests}", flush=True)
+    shape = _attention_shape(a.smoke)
+    attention = _child("attention", a)
+    print(f"> attention ms: {attention}", flush=True)
+    flags = gpt_flags(a)
+    gpt = train_gpt(a)
+    print(f"> GPT: {gpt}", flush=True)
+    text = report(info, tests, attention, shape, gpt, flags)
+    name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"\n{text}\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The GPU test set: run on a GPU host with ``PYTHONPATH=. python -m pytest -m gpu tests`` (the
+README test command is the CPU suite and skips these). Matmuls run at ``highest`` precision
+where results are compared with fp32 references (the GPU default is TF32); bf16 results are
+compared with tolerances that fit bf16.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from core.models.gpt.causal_attention import attention_implementation, causal_attention, preferred_layout
+
+
+def _on_gpu() -> bool:
+    try:
+        return jax.devices()[0].platform == "gpu"
+    except RuntimeError:
+        return False
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")]
+
+
+def _qkv(shape, dtype):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
+
+
+def _value_and_grads(fn, q, k, v):
+    loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v).astype(jnp.float32)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+
+def _close(got, want, tol):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())))
+
+
+def test_bf16_attention_runs_cudnn_and_matches_the_fp32_reference():
+    assert preferred_layout() == "bsnd"
+    q, k, v = _qkv((2, 256, 4, 64), jnp.bfloat16)
+    assert attention_implementation(q, k, v, "bsnd") == "cudnn"
+    hlo = jax.jit(lambda q, k, v: causal_attention(q, k, v, "bsnd")).lower(q, k, v).as_text()
+    assert "cudnn" in hlo.lower() or "custom_call" in hlo  # the cuDNN fused attention custom call
+    with jax.default_matmul_precision("highest"):
+        want = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", "xla"),
+                                *(x.astype(jnp.float32) for x in (q, k, v)))
+    _close(_value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd"), q, k, v), want, 3e-2)
+
+
+def test_fp32_attention_runs_xla_and_matches_the_blocked_loop():
+    q, k, v = _qkv((2, 256, 4, 64), jnp.float32)
+    assert attention_implementation(q, k, v, "bsnd") == "xla"
+    with jax.default_matmul_precision("highest"):
+        got = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd"), q, k, v)
+        want = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", "blocked"), q, k, v)
+    _close(got, want, 1e-4)
+
+
+def test_training_on_the_gpus_equals_one_gpu():
+    """DDP (and the whole pretraining step) over every GPU of this host equals one GPU: 4 iterations,
+    fp32 at highest matmul precision, 1e-4 relative."""
+    from pretrain_harness import layout_losses, reference_losses
+
+    with jax.default_matmul_precision("highest"):
+        reference = reference_losses(4)
+        losses = layout_losses(1, 1, jax.devices(), iters=4)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+
+
+def test_bf16_pretraining_learns():
+    from pretrain_harness import layout_losses
+
+    losses = layout_losses(1, 1, jax.devices()[:1], iters=20, extra=("--bf16", "--lr", "3e-3"))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_cpu_settings_stay_off_and_mfu_uses_the_datasheet():
+    from core.jax_backend import jax_runs_on_cpu
+    from core.training.device_peak import datasheet_peak, device_peak
+
+    assert not jax_runs_on_cpu()  # decided before JAX started: the CPU-only settings were not applied
+    peak = device_peak(jnp.bfloat16)
+    kind = jax.devices()[0].device_kind
+    assert peak.source == ("datasheet" if datasheet_peak(kind, "bfloat16") else "measured"), (kind, peak)
