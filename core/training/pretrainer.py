@@ -99,6 +99,9 @@ class Pretrainer:
         self.config = model_config(args, ByteTokenizer.vocab_size)
         self.model = GPTModel(self.config, state)
         self.schedule = learning_rate_schedule(args)
+        # The learning rate of every iteration, on the host: evaluating the (jnp) schedule per step
+        # would queue a device op behind the running step and wait for it (a host sync per step).
+        self.learning_rates = np.asarray(jax.jit(jax.vmap(self.schedule))(jnp.arange(max(1, args.train_iters))))
         # No in-step NaN skip (check_for_nan_in_grad): the loop stops at the first non-finite loss
         # or grad norm and saves nothing after it (Megatron's --check-for-nan-in-loss-and-grad), so
         # parameters left unchanged would never be used; the skip's conditional costs ~1% of a CPU step.
@@ -138,9 +141,9 @@ class Pretrainer:
         batch = self.data.next_train_batch()
         self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
         self.iteration += 1
+        lr = float(self.learning_rates[min(self.iteration, len(self.learning_rates)) - 1])
         return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "loss": metrics["loss"], "lr": float(self.schedule(self.iteration - 1)),
-                "grad_norm": metrics["grad_norm"]}
+                "loss": metrics["loss"], "lr": lr, "grad_norm": metrics["grad_norm"]}
 
     def collect(self, pending: list[dict[str, Any]], elapsed: float) -> list[dict[str, Any]]:
         """Read back the pending records' losses and grad norms (one transfer; waits for the last
