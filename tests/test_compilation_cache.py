@@ -37,5 +37,5 @@ def _launch(cache_dir, n=2):
 def test_every_process_of_a_second_cpu_launch_reads_the_cache(tmp_path):
     """Process 0 writes the entries; in the next launch every process finds them (JAX's own CPU
     key differs per process, so processes other than 0 used to compile everything again)."""
-    assert _launch(tmp_path) == ["0 miss", "1 miss"]
+    assert _launch(tmp_path)[0] == "0 miss"  # (process 1 may already find what process 0 just wrote)
     assert _launch(tmp_path) == ["0 hit", "1 hit"]
