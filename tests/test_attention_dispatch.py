@@ -9,6 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import assert_close as _assert_close
+from attention_helpers import qkv as _inputs
+from attention_helpers import value_and_grads as _value_and_grads
 
 import core.models.gpt.causal_attention as attention
 import core.models.gpt.gpt_layers as gpt_layers
@@ -18,22 +21,6 @@ from core.models.gpt.causal_attention import attention_implementation, causal_at
 
 def _x(shape, dtype=jnp.float32):
     return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _inputs(shape, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(3), 3)
-    return [(jax.random.normal(k, shape) * s).astype(dtype) for k, s in zip(keys, (2.0, 2.0, 1.0))]
-
-
-def _value_and_grads(fn, q, k, v):
-    loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v).astype(jnp.float32)))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-
-def _assert_close(got, want, tol):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.max(np.abs(w)))))
 
 
 def test_gpu_dispatch():

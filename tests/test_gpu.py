@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_helpers import assert_close as _close
+from attention_helpers import qkv
+from attention_helpers import value_and_grads as _value_and_grads
 
 from core.models.gpt.causal_attention import attention_implementation, causal_attention, preferred_layout
 
@@ -22,25 +25,9 @@ def _on_gpu() -> bool:
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _on_gpu(), reason="needs a GPU")]
 
 
-def _qkv(shape, dtype):
-    keys = jax.random.split(jax.random.key(0), 3)
-    return [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
-
-
-def _value_and_grads(fn, q, k, v):
-    loss = lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v).astype(jnp.float32)))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
-
-
-def _close(got, want, tol):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * max(1.0, float(np.abs(w).max())))
-
-
 def test_bf16_attention_runs_cudnn_and_matches_the_fp32_reference():
     assert preferred_layout() == "bsnd"
-    q, k, v = _qkv((2, 256, 4, 64), jnp.bfloat16)
+    q, k, v = qkv((2, 256, 4, 64), jnp.bfloat16, qk_scale=1.0)
     assert attention_implementation(q, k, v, "bsnd") == "cudnn"
     hlo = jax.jit(lambda q, k, v: causal_attention(q, k, v, "bsnd")).lower(q, k, v).as_text()
     assert "cudnn" in hlo.lower() or "custom_call" in hlo  # the cuDNN fused attention custom call
@@ -51,7 +38,7 @@ def test_bf16_attention_runs_cudnn_and_matches_the_fp32_reference():
 
 
 def test_fp32_attention_runs_xla_and_matches_the_blocked_loop():
-    q, k, v = _qkv((2, 256, 4, 64), jnp.float32)
+    q, k, v = qkv((2, 256, 4, 64), jnp.float32, qk_scale=1.0)
     assert attention_implementation(q, k, v, "bsnd") == "xla"
     with jax.default_matmul_precision("highest"):
         got = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd"), q, k, v)
