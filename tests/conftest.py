@@ -35,6 +35,19 @@ def _configure_jax() -> None:
 _configure_jax()
 
 
+def pytest_configure(config):
+    """This is the CPU suite: on a GPU host it still runs on the CPU (as ``tests/run.sh`` asks with
+    ``JAX_PLATFORMS=cpu``), unless the GPU set is selected (``-m gpu``) or the user set
+    ``JAX_PLATFORMS``. Runs before any test starts a JAX backend."""
+    import jax
+
+    markexpr = config.getoption("markexpr", "") or ""
+    wants_gpu = "gpu" in markexpr and "not gpu" not in markexpr
+    if not wants_gpu and not os.environ.get("JAX_PLATFORMS"):
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+
+
 @pytest.fixture(autouse=True)
 def _reset_parallel_state():
     """Every test starts and ends without a default parallel state."""
