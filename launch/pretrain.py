@@ -44,14 +44,15 @@ def _configure_cpu(args, processes: int, reexec: bool) -> None:
     """CPU backend only, before JAX starts: malloc settings (re-executes the script), devices per
     process (one per core of the process's share, as many as the layout divides) and threads."""
     from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.cpu_malloc import CACHEABLE_RUN_ITERS, reexec_with_malloc_settings
     from core.cpu_threads import configure_cpu_threads
     from core.training.arguments import fill_defaults, layout_fits
 
     # tp/pp defaults follow what was launched; the devices chosen for the cores only add dp.
     fill_defaults(args, processes * int(os.environ.get(ENV_VAR) or 1))
     if reexec:  # run as a script: glibc reads its malloc settings at start-up only
-        reexec_with_malloc_settings()
+        # A short run with the compilation cache keeps its programs cacheable (no heap split).
+        reexec_with_malloc_settings(split_heaps=args.no_compilation_cache or args.train_iters > CACHEABLE_RUN_ITERS)
     configure_cpu_devices(cpu_devices_per_process(lambda n: layout_fits(args, processes * n)))
     # Pipeline stages lend their cores to each other in the bubbles, so only the other layouts
     # get a thread pool of their share's size.

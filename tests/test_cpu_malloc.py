@@ -40,6 +40,11 @@ def test_update_adds_tunables_and_the_xla_heap_flag():
         assert tunable in KEEP
 
 
+def test_update_without_the_heap_split():
+    """Short runs with the compilation cache: tunables only (XLA cannot cache a split program)."""
+    assert malloc_settings_update({}, split_heaps=False) == {"GLIBC_TUNABLES": KEEP}
+
+
 def test_update_adds_the_xla_heap_flag_to_the_users_flags():
     update = malloc_settings_update({"XLA_FLAGS": "--xla_cpu_foo=1", "GLIBC_TUNABLES": KEEP})
     assert update == {"XLA_FLAGS": f"--xla_cpu_foo=1 {XLA_HEAP_FLAG}"}
