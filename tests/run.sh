@@ -14,7 +14,7 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 
 echo "=== level 1: single process, 8 simulated devices"
-timeout --signal=KILL "${SINGLE_TIMEOUT:-1500}" python -m pytest -q -p no:randomly -m "not gpu" \
+timeout --signal=KILL "${SINGLE_TIMEOUT:-2100}" python -m pytest -q -p no:randomly -m "not gpu" \
     --junitxml="$OUT/single.xml" "$@" tests
 rc1=$?
 
