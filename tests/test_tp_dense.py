@@ -81,24 +81,35 @@ class _Block(nn.Module):
     tp: int
     asynchronous: bool = False
     bidirectional: bool = True
+    use_bias: bool = True
 
     @nn.compact
     def __call__(self, x):
         if self.asynchronous:
             up = TPAsyncDense(functools.partial(nn.Dense, features=H // self.tp), "tp", "gather",
-                              use_bidirectional_gather=self.bidirectional, name="up")
-            down = TPAsyncDense(functools.partial(nn.Dense, features=F // self.tp), "tp", "scatter", name="down")
+                              use_bidirectional_gather=self.bidirectional, use_bias=self.use_bias, name="up")
+            down = TPAsyncDense(functools.partial(nn.Dense, features=F // self.tp), "tp", "scatter",
+                                use_bias=self.use_bias, name="down")
         else:
-            up = TPDense(functools.partial(nn.Dense, features=H // self.tp), "tp", "gather", name="up")
-            down = TPDense(functools.partial(nn.Dense, features=F), "tp", "scatter", name="down")
+            up = TPDense(functools.partial(nn.Dense, features=H // self.tp), "tp", "gather", use_bias=self.use_bias,
+                         name="up")
+            down = TPDense(functools.partial(nn.Dense, features=F), "tp", "scatter", use_bias=self.use_bias,
+                           name="down")
         return down(nn.gelu(up(x)))
+
+
+def _bias(tree):
+    """A dense's bias, or None when the layer has none."""
+    return tree["sharded"].get("bias")
 
 
 def _dense_from_sync(params, tp):
     p = jax.tree.map(np.asarray, params["params"])
-    k1, b1 = p["up"]["module"]["sharded"]["kernel"], p["up"]["module"]["sharded"]["bias"]
-    k2, b2 = p["down"]["module"]["sharded"]["kernel"], p["down"]["module"]["sharded"]["bias"]
-    return np.concatenate(list(k1), 1), np.concatenate(list(b1)), np.concatenate(list(k2), 0), b2.sum(0)
+    up, down = p["up"]["module"], p["down"]["module"]
+    k1, k2 = up["sharded"]["kernel"], down["sharded"]["kernel"]
+    b1 = np.concatenate(list(_bias(up))) if _bias(up) is not None else np.zeros(H, np.float32)
+    b2 = _bias(down).sum(0) if _bias(down) is not None else np.zeros(F, np.float32)
+    return np.concatenate(list(k1), 1), b1, np.concatenate(list(k2), 0), b2
 
 
 def _dense_from_async(params, tp):
@@ -111,9 +122,28 @@ def _dense_from_async(params, tp):
             w1[c * fb:(c + 1) * fb, d * hb:(d + 1) * hb] = p["up"][f"shard_{i}"]["sharded"]["kernel"][d]
             e = (d + tp - 1 - i) % tp  # scatter: shard i on device d feeds device d + n-1-i
             w2[d * hb:(d + 1) * hb, e * fb:(e + 1) * fb] = p["down"][f"shard_{i}"]["sharded"]["kernel"][d]
-    b1 = np.concatenate(list(p["up"]["shard_0"]["sharded"]["bias"]))
-    b2 = np.concatenate([p["down"]["shard_0"]["sharded"]["bias"][(e + 1) % tp] for e in range(tp)])
+    up, down = _bias(p["up"]["shard_0"]), _bias(p["down"]["shard_0"])
+    b1 = np.concatenate(list(up)) if up is not None else np.zeros(H, np.float32)
+    b2 = np.concatenate([down[(e + 1) % tp] for e in range(tp)]) if down is not None else np.zeros(F, np.float32)
     return w1, b1, w2, b2
+
+
+@pytest.mark.parametrize("variant", ["sync", "async"])
+def test_tp_dense_without_bias(variant):
+    """xlstm_jax's ``use_bias=False``: no bias parameter anywhere, and the block equals its dense
+    form without biases (tp=4)."""
+    tp = 4
+    state = ps.build_parallel_state(tp)
+    module = _Block(tp, asynchronous=variant == "async", use_bias=False)
+    x = np.random.default_rng(1).normal(size=(B, F)).astype(np.float32)
+    spec = P(None, "tp")
+    params, fn = _init_apply(state, module, jnp.asarray(x), spec, spec)
+    names = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert names and not [n for n in names if "bias" in n], names
+    w1, b1, w2, b2 = (_dense_from_sync if variant == "sync" else _dense_from_async)(params, tp)
+    assert not b1.any() and not b2.any()
+    y = fn(params, x, np.zeros_like(x))[0]
+    np.testing.assert_allclose(np.asarray(y), nn.gelu(x @ w1) @ w2, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])

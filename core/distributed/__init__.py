@@ -1,1 +1,31 @@
-"""distributed."""
+"""Data parallelism, Megatron's names: ``DistributedDataParallel`` with its config, bucketed
+gradient buffers, ``finalize_model_grads``, the package's collectives, and the xlstm_jax FSDP API
+(``shard_module_params``, ``sync_gradients``)."""
+
+from core.distributed.collectives import all_gather, all_reduce, reduce_scatter
+from core.distributed.data_parallel import (
+    gather_array_with_mean_grads,
+    gather_params,
+    shard_module_params,
+    shard_params,
+    sync_gradients,
+)
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.distributed.finalize_model_grads import allreduce_model_parallel_grads, finalize_model_grads
+
+
+def __getattr__(name: str):
+    """``DistributedDataParallel`` on first use: it needs ``core.optimizer``, whose distributed
+    optimizer needs this package's collectives, so importing it here would be circular."""
+    if name == "DistributedDataParallel":
+        from core.distributed.distributed_data_parallel import DistributedDataParallel
+
+        return DistributedDataParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "DistributedDataParallel", "DistributedDataParallelConfig", "all_gather", "all_reduce",
+    "allreduce_model_parallel_grads", "finalize_model_grads", "gather_array_with_mean_grads", "gather_params",
+    "reduce_scatter", "shard_module_params", "shard_params", "sync_gradients",
+]

@@ -38,12 +38,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core import parallel_state
+from core.distributed.array_utils import fold_rng_over_axis
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
 from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
-from core.parallel_state import ParallelState
+from core.parallel_state import DP_AXIS, ParallelState
 from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.utils import split_microbatches
 
@@ -55,7 +56,15 @@ class DistributedDataParallel:
     """Megatron's ``DistributedDataParallel(config, ddp_config, module)`` for a flax linen module.
 
     ``config`` is the :class:`~core.parallel_state.ParallelState` (None: the default one);
-    ``optimizer`` an optax transformation or an :class:`OptimizerConfig`.
+    ``optimizer`` an optax transformation or an :class:`OptimizerConfig`; ``disable_bucketing``
+    puts every parameter of a buffer in one bucket whatever ``ddp_config.bucket_size`` says
+    (Megatron's flag, used for all model chunks but the first with interleaved pipelining).
+
+    Two ways to train: the fused step (:meth:`make_train_step`, one program per step) and
+    Megatron's loop over this object as a stateful facade (``model.zero_grad_buffer()``,
+    ``get_forward_backward_func()(..., model=[model])``, ``finalize_model_grads([model],
+    num_tokens)``, :meth:`optimizer_step`); the facade keeps its current parameters in
+    :attr:`params`.
     """
 
     def __init__(
@@ -65,16 +74,25 @@ class DistributedDataParallel:
         module: nn.Module,
         optimizer: optax.GradientTransformation | OptimizerConfig | None = None,
         learning_rate: float | optax.Schedule | None = None,
+        disable_bucketing: bool = False,
     ):
         self.state = config if config is not None else parallel_state.get_parallel_state()
         self.ddp_config = ddp_config
         self.module = module
         self.optimizer_spec = optimizer if optimizer is not None else OptimizerConfig()
         self.learning_rate = learning_rate
+        self.disable_bucketing = disable_bucketing
+        self.num_tokens = None
+        """Global token count of the last :meth:`run_forward_backward` with a per-token loss."""
+        self.params = None
+        """The facade's current parameters: set by :meth:`init`, :meth:`optimizer_step` and
+        :meth:`load_state_dict`, read by the schedules when this object is their ``model``."""
         self._is_last_microbatch = True
         self._grad_buffers = None
         self._reduced = None
         self._metadata = None
+        self._programs: dict[Any, Callable] = {}
+        self._traced: dict[Any, dict] = {}
 
     # -- layout ----------------------------------------------------------------------------
     @property
@@ -100,6 +118,13 @@ class DistributedDataParallel:
     def _shard_map(self, f, in_specs, out_specs):
         return jax.shard_map(f, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
+    def _program(self, key: Any, build: Callable[[], Callable]) -> Callable:
+        """The facade's jitted program for ``key``, built once (a new closure per call would make
+        ``jax.jit`` retrace and recompile every call)."""
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
     def _to_local(self, tree):
         return jax.tree.map(lambda x: x[0], tree)
 
@@ -120,8 +145,9 @@ class DistributedDataParallel:
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
         dp = self.state.data_parallel_size * self.state.context_parallel_size
         specs = build_buffer_specs(
-            local_shapes, [x.dtype for x in leaves], infos, data_parallel_size=dp,
-            bucket_size=self.ddp_config.effective_bucket_size(dp),
+            local_shapes, [x.dtype for x in leaves], infos,
+            data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.expert_data_parallel_size),
+            bucket_size=None if self.disable_bucketing else self.ddp_config.effective_bucket_size(dp),
             use_distributed_optimizer=self.ddp_config.use_distributed_optimizer,
             grad_reduce_in_fp32=self.ddp_config.grad_reduce_in_fp32,
             pad_buckets_for_high_nccl_busbw=self.ddp_config.pad_buckets_for_high_nccl_busbw,
@@ -134,7 +160,9 @@ class DistributedDataParallel:
             "treedef": treedef, "infos": infos, "specs": specs, "param_specs": specs_tree, "paths": paths,
             "masks": optimizer.constant_inputs(NamedSharding(self.mesh, P())), "optimizer": optimizer,
             "opt_specs": optimizer.state_specs(leaf_specs, self.local_spec),
+            "shapes": [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves],
         }
+        self.params = params
         return params
 
     def _local_shape(self, shape, spec):
@@ -170,7 +198,7 @@ class DistributedDataParallel:
 
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
-                        forward_backward: ForwardBackwardFn | None = None):
+                        forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False):
         """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
         ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
@@ -188,39 +216,52 @@ class DistributedDataParallel:
         ``forward_backward(params, local_batch) -> (grads, loss, num_tokens)`` replaces the
         microbatch loop (e.g. a pipeline schedule, which splits microbatches itself); its grads
         follow the same loss-normalisation contract and ``loss`` is this rank's mean loss.
+
+        ``with_rng``: the step is ``step(params, opt_state, batch, rng)`` and the loss function
+        gets a key, ``loss_fn(params, microbatch, rng)`` (``forward_backward(params, batch,
+        rng)``): ``rng`` folded over the data-parallel (x context-parallel) axes and then with
+        the microbatch index, so every data-parallel rank and microbatch draws its own dropout
+        masks while tensor-parallel ranks share theirs (fold over ``"tp"`` inside for more).
         """
         meta = self._require_init()
         if (loss_fn is None) == (forward_backward is None):
             raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
         step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward)
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
-        fn = self._shard_map(step, (meta["param_specs"], meta["opt_specs"], self.batch_spec, P()),
-                             (meta["param_specs"], meta["opt_specs"], metric_specs))
+        if self.ddp_config.check_for_large_grads:
+            metric_specs["large_grads"] = self.local_spec
+        in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_spec, P()) + ((P(),) if with_rng else ())
+        fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs))
         jitted = jax.jit(fn, donate_argnums=(0, 1))
 
         dp = self.state.data_parallel_size
 
-        def train_step(params, opt_state, batch):
+        def train_step(params, opt_state, batch, *rng):
+            if len(rng) != int(with_rng):
+                args = "(params, opt_state, batch, rng)" if with_rng else "(params, opt_state, batch)"
+                raise TypeError(f"this train step takes {args} (make_train_step's with_rng={with_rng})")
             for leaf in jax.tree.leaves(batch):
                 if leaf.shape[0] % (dp * num_microbatches):
                     raise ValueError(
                         f"global batch {leaf.shape[0]} is not divisible by data_parallel_size ({dp}) x "
                         f"num_microbatches ({num_microbatches})")
-            return jitted(params, opt_state, batch, meta["masks"])
+            return jitted(params, opt_state, batch, meta["masks"], *rng)
 
         return train_step
 
-    def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss):
+    def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss, rng=None):
         """Accumulated local grads, summed loss and token count over the microbatches."""
         grad_dtype = jnp.float32 if self.ddp_config.grad_reduce_in_fp32 else None
         m = num_microbatches
-        mbs = split_microbatches(batch, m)
+        mbs = (split_microbatches(batch, m), jnp.arange(m))
 
-        def one(mb):
+        def one(mb_index):
+            mb, index = mb_index
+            args = (mb,) if rng is None else (mb, jax.random.fold_in(rng, index))
             if per_token_loss:
-                (loss, tokens), g = jax.value_and_grad(lambda p: loss_fn(p, mb), has_aux=True)(params)
+                (loss, tokens), g = jax.value_and_grad(lambda p: loss_fn(p, *args), has_aux=True)(params)
             else:
-                loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) / m)(params)
+                loss, g = jax.value_and_grad(lambda p: loss_fn(p, *args) / m)(params)
                 tokens = jnp.zeros((), jnp.float32)
             g = jax.tree.map(lambda x: x.astype(grad_dtype or x.dtype), g)
             return g, loss, jnp.asarray(tokens, jnp.float32)
@@ -246,12 +287,14 @@ class DistributedDataParallel:
         state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
         dp_axes = state.data_parallel_with_context_axis_name
 
-        def body(params, opt_state, batch, masks):
+        def body(params, opt_state, batch, masks, *rng):
             opt_state = opt.state_to_local(opt_state)
+            rng = tuple(fold_rng_over_axis(r, dp_axes) for r in rng)  # () or the rank's key
             if forward_backward is None:
-                grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss)
+                grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss,
+                                                             *rng)
             else:
-                grads, loss, tokens = forward_backward(params, batch)
+                grads, loss, tokens = forward_backward(params, batch, *rng)
                 grad_dtype = jnp.float32 if ddp_config.grad_reduce_in_fp32 else None
                 grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
             leaves = jax.tree.leaves(params)
@@ -261,8 +304,12 @@ class DistributedDataParallel:
             # A NaN/Inf in any rank's grads makes the global grad norm non-finite on every rank:
             # the skip needs no collective of its own, and the per-param flags that name the
             # culprits are computed only when it happens.
+            large = None
+            if ddp_config.check_for_large_grads:  # local grads, before any collective (Megatron)
+                opt_state, large, any_large = opt.check_large_grads(opt_state, grad_leaves)
             new_leaves, new_opt, grad_norm, skipped = opt.step(
-                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad)
+                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad,
+                skip=None if large is None else any_large)
             flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             if per_token_loss:
@@ -270,12 +317,16 @@ class DistributedDataParallel:
             else:
                 mean_loss = lax.pmean(loss, dp_axes)
             metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped}
+            if large is not None:
+                metrics["large_grads"] = jax.tree.map(lambda x: x[None], large)
             return new_params, opt.state_from_local(new_opt), metrics
 
         return body
 
     def check_nonfinite(self, metrics: dict[str, Any]) -> None:
-        """Raise ``FloatingPointError`` naming params and ranks if the step saw a NaN/Inf grad.
+        """Raise ``FloatingPointError`` naming params and ranks if the step saw a NaN/Inf grad, or
+        (``check_for_large_grads``) ``LargeGradientError`` naming rank, bucket, norm and params if
+        it saw an unexpectedly large local grad norm.
 
         Params and optimizer state were left untouched by that step (the update was skipped).
         """
@@ -283,9 +334,16 @@ class DistributedDataParallel:
             return
         from jax.experimental import multihost_utils
 
+        from core.distributed.grad_sync import LargeGradientError, large_grads_message
+
         flags = np.asarray(multihost_utils.process_allgather(metrics["nonfinite"], tiled=True))
         ranks = self.state.device_ranks.reshape(-1)
         bad = [(int(ranks[d]), self.param_paths[i]) for d, i in zip(*np.nonzero(flags), strict=True)]
+        if not bad and "large_grads" in metrics:
+            report = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
+                      for k, v in metrics["large_grads"].items()}
+            if report["flags"].any():
+                raise LargeGradientError(large_grads_message(report, self.buffer_specs, self.param_paths, ranks))
         if not bad:
             raise FloatingPointError(
                 "the global gradient norm is not finite (its float32 sum of squares overflowed) although "
@@ -307,7 +365,7 @@ class DistributedDataParallel:
         meta = self._require_init()
         fn = lambda: self._from_local(tuple(
             tuple(jnp.zeros(n, jnp.dtype(s.key.grad_dtype)) for n in s.bucket_sizes()) for s in meta["specs"]))
-        self._grad_buffers = jax.jit(self._shard_map(fn, (), self.local_spec))()
+        self._grad_buffers = self._program("zero", lambda: jax.jit(self._shard_map(fn, (), self.local_spec)))()
         self._reduced = None
 
     @contextlib.contextmanager
@@ -338,16 +396,31 @@ class DistributedDataParallel:
                         for s, bs in zip(meta["specs"], buffers, strict=True))
             return self._from_local(new), lax.pmean(loss, self.state.data_parallel_with_context_axis_name)
 
-        self._grad_buffers, loss = jax.jit(self._shard_map(
-            fn, (meta["param_specs"], self.local_spec, self.batch_spec), (self.local_spec, P())))(
+        self._grad_buffers, loss = self._program(("backward", loss_fn, scale), lambda: jax.jit(self._shard_map(
+            fn, (meta["param_specs"], self.local_spec, self.batch_spec), (self.local_spec, P()))))(
             params, self._grad_buffers, microbatch)
+        self._reduced = None  # a finished sync no longer covers the buffers
         if self._is_last_microbatch:
             self.start_grad_sync()
         return loss
 
-    def scale_gradients(self, scaling_factor: float) -> None:
-        """Multiply the grad buffers by ``scaling_factor``."""
-        self._grad_buffers = jax.tree.map(lambda b: b * scaling_factor, self._grad_buffers)
+    def scale_gradients(self, scaling_factor: float | jax.Array) -> None:
+        """Multiply the gradients by ``scaling_factor``: the accumulating buffers and, once the
+        sync has run (:meth:`finish_grad_sync`, or :meth:`backward` outside :meth:`no_sync`),
+        the reduced gradients :meth:`optimizer_step` reads, as Megatron scales its buffers after
+        ``finish_grad_sync`` for per-token loss normalisation."""
+        scale = lambda b: b * jnp.asarray(scaling_factor, b.dtype)
+        if self._grad_buffers is not None:
+            self._grad_buffers = jax.tree.map(scale, self._grad_buffers)
+        if self._reduced is not None:
+            self._reduced = jax.tree.map(scale, self._reduced)
+
+    def per_token_scale(self, num_tokens: float | jax.Array) -> jax.Array:
+        """The factor that turns the synced gradients into per-token ones: the sync averaged
+        over the ``dp*cp`` data-parallel ranks, so undo that and divide by ``num_tokens``, the
+        global token count (what ``finalize_model_grads([model], num_tokens)`` applies)."""
+        dp_cp = self.state.data_parallel_size * self.state.context_parallel_size
+        return dp_cp / jnp.maximum(jnp.asarray(num_tokens, jnp.float32), 1.0)
 
     def start_grad_sync(self) -> None:
         """Reduce the grad buffers over data parallelism (plus finalize's model-parallel sums)."""
@@ -361,7 +434,8 @@ class DistributedDataParallel:
             return self._from_local(finalize_model_grads(grad_leaves, meta["infos"], meta["specs"],
                                                          self.ddp_config, self.state))
 
-        self._reduced = jax.jit(self._shard_map(fn, (self.local_spec,), self.local_spec))(self._grad_buffers)
+        sync = self._program("sync", lambda: jax.jit(self._shard_map(fn, (self.local_spec,), self.local_spec)))
+        self._reduced = sync(self._grad_buffers)
 
     def finish_grad_sync(self) -> Any:
         """Wait for (start if needed) the grad sync; return the reduced buckets (or shards)."""
@@ -384,8 +458,11 @@ class DistributedDataParallel:
             return new_params, opt.state_from_local(new_opt), norm
 
         specs = (meta["param_specs"], meta["opt_specs"], self.local_spec, P())
-        return jax.jit(self._shard_map(fn, specs, (meta["param_specs"], meta["opt_specs"], P())))(
-            params, opt_state, reduced, meta["masks"])
+        step = self._program("step", lambda: jax.jit(self._shard_map(
+            fn, specs, (meta["param_specs"], meta["opt_specs"], P()))))
+        params, opt_state, norm = step(params, opt_state, reduced, meta["masks"])
+        self.params = params
+        return params, opt_state, norm
 
     def start_param_sync(self, params: Any) -> Any:
         """Make every data-parallel rank's params equal to dp rank 0's (all-gather analogue).
@@ -396,17 +473,159 @@ class DistributedDataParallel:
         return self.broadcast_params(params)
 
     def broadcast_params(self, params: Any) -> Any:
-        """Broadcast params from data-parallel rank 0 to the other data-parallel ranks."""
+        """Broadcast params from data-parallel rank 0 to the other data-parallel ranks.
+
+        Each parameter is broadcast over the ranks that hold copies of it: dense parameters over
+        the data-parallel (x context-parallel) group, expert parameters over the
+        expert-data-parallel group only (the ``ep`` ranks hold different experts).
+        """
         meta = self._require_init()
-        axes = self.state.data_parallel_with_context_axis_name
+
+        def broadcast(x, info):
+            axes = self.state.axis_names(DP_AXIS) if info.expert else self.state.data_parallel_with_context_axis_name
+            if not axes:
+                return x
+            first = lax.axis_index(axes) == 0
+            return lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axes)
 
         def fn(p):
-            first = lax.axis_index(axes) == 0
-            return jax.tree.map(lambda x: lax.psum(jnp.where(first, x, jnp.zeros_like(x)), axes), p)
+            leaves, treedef = jax.tree.flatten(p)
+            return jax.tree.unflatten(treedef, [broadcast(x, i) for x, i in zip(leaves, meta["infos"], strict=True)])
 
-        return jax.jit(self._shard_map(fn, (meta["param_specs"],), meta["param_specs"]))(params)
+        return self._program("broadcast", lambda: jax.jit(self._shard_map(
+            fn, (meta["param_specs"],), meta["param_specs"])))(params)
+
+    # -- Megatron's module facade ----------------------------------------------------------
+    def __call__(self, params: Any, *inputs: Any, **kwargs: Any) -> Any:
+        """Megatron's ``forward``: the wrapped module applied to ``params`` (``module.apply``).
+
+        Call it where the module's collectives have their mesh axes: inside ``shard_map`` (the
+        schedules' ``forward_step_func`` gets it that way), on local shapes.
+        """
+        return self.module.apply(params, *inputs, **kwargs)
+
+    forward = __call__
+
+    def state_dict(self, params: Any | None = None) -> dict[str, np.ndarray]:
+        """Megatron's ``state_dict``: every parameter of ``params`` (default :attr:`params`) as a
+        host numpy array of its global shape, keyed by its tree path (``params/layer_00/kernel``).
+
+        Every process must call it (multi-process arrays are gathered)."""
+        params = self._current(params)
+        out = {}
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+            if not x.is_fully_addressable:
+                from jax.experimental import multihost_utils
+
+                x = multihost_utils.process_allgather(x, tiled=True)
+            out[_path_key(path)] = np.asarray(x)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        """Megatron's ``load_state_dict``: parameters (global arrays, sharded as :attr:`param_specs`
+        say) from a :meth:`state_dict`; they also become :attr:`params`.
+
+        ``strict``: every key must match a parameter and no parameter may be missing; without it
+        unknown keys are ignored and missing parameters keep their :attr:`params` values.
+        Shapes must match the model's global shapes (``ValueError`` naming the parameter).
+        """
+        meta = self._require_init()
+        keys = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(self._structure())[0]]
+        missing = [k for k in keys if k not in state_dict]
+        unexpected = sorted(set(state_dict) - set(keys))
+        if strict and (missing or unexpected):
+            raise KeyError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+        if missing and self.params is None:
+            raise KeyError(f"load_state_dict: missing keys {missing} and no current params to keep")
+        current = jax.tree.leaves(self.params) if missing else None
+        leaves = []
+        for i, (key, shape) in enumerate(zip(keys, meta["shapes"], strict=True)):
+            if key not in state_dict:
+                leaves.append(current[i])
+                continue
+            value = np.asarray(state_dict[key])
+            if value.shape != shape.shape:
+                raise ValueError(f"load_state_dict: {key} has shape {value.shape}, the model's is {shape.shape}")
+            value = value.astype(shape.dtype)
+            leaves.append(jax.make_array_from_callback(shape.shape, shape.sharding, lambda idx, v=value: v[idx]))
+        self.params = jax.tree.unflatten(meta["treedef"], leaves)
+        return self.params
+
+    def _structure(self) -> Any:
+        meta = self._require_init()
+        return jax.tree.unflatten(meta["treedef"], meta["shapes"])
+
+    def _current(self, params: Any | None) -> Any:
+        params = self.params if params is None else params
+        if params is None:
+            raise RuntimeError("no parameters: call DistributedDataParallel.init(rng, *sample_inputs) first")
+        return params
+
+    def run_forward_backward(self, schedule: Callable, *, forward_step_func: Callable, data_iterator: Any,
+                             num_microbatches: int, forward_only: bool = False, **kwargs: Any) -> list[dict]:
+        """Run a schedule of :mod:`core.pipeline_parallel.schedules` on this model, Megatron's way:
+        the schedules call this when their ``model`` is a ``DistributedDataParallel`` (or a
+        list holding one).
+
+        ``data_iterator`` yields global microbatches (split over data parallelism, e.g. from
+        :meth:`shard_batch`); ``forward_step_func(microbatch, model)`` gets the local slices
+        and ``model(*inputs)``, the module on :attr:`params`. The grads are added to the grad
+        buffers and, outside :meth:`no_sync`, the grad sync is started (Megatron's hooks).
+        Returns one dict per microbatch of the ``loss_func``'s reduced values, averaged over
+        data parallelism. With a per-token loss, :attr:`num_tokens` is the global token count
+        to pass to ``finalize_model_grads([model], num_tokens)``.
+        """
+        meta = self._require_init()
+        params = self._current(None)
+        if self._grad_buffers is None and not forward_only:
+            self.zero_grad_buffer()
+        microbatches = tuple(next(data_iterator) for _ in range(num_microbatches))
+        dp_axes = self.state.data_parallel_with_context_axis_name
+        stage_fn = lambda p, *a, **k: self.module.apply(p, *a, **k)
+        key = ("forward_backward", schedule, forward_step_func, num_microbatches, forward_only,
+               tuple(sorted(kwargs.items())))
+        traced = self._traced.setdefault(key, {})
+
+        def fn(params, buffers, mbs):
+            losses, grads, ntok = schedule(forward_step_func=forward_step_func, data_iterator=iter(mbs),
+                                           model=(stage_fn, params), num_microbatches=num_microbatches,
+                                           forward_only=forward_only, **kwargs)
+            losses = jax.tree.map(lambda x: lax.pmean(jnp.asarray(x, jnp.float32), dp_axes), losses)
+            if self.state.pipeline_model_parallel_size > 1:  # the last stage's values, zeros elsewhere
+                losses = jax.tree.map(lambda x: lax.psum(x, "pp"), losses)
+            traced["per_token"] = ntok is not None
+            ntok = jnp.zeros(()) if ntok is None else lax.psum(jnp.asarray(ntok, jnp.float32), dp_axes)
+            if forward_only:
+                return buffers, losses, ntok
+            buffers = self._to_local(buffers)
+            new = tuple(tuple(b + a.astype(b.dtype) for b, a in zip(bs, flatten_to_buckets(jax.tree.leaves(grads), s),
+                                                                  strict=True))
+                        for s, bs in zip(meta["specs"], buffers, strict=True))
+            return self._from_local(new), losses, ntok
+
+        mb_specs = tuple(jax.tree.map(lambda _: self.batch_spec, mb) for mb in microbatches)
+        buffers = self._grad_buffers if not forward_only else ()
+        buf_spec = self.local_spec if not forward_only else ()
+        program = self._program(key, lambda: jax.jit(self._shard_map(
+            fn, (meta["param_specs"], buf_spec, mb_specs), (buf_spec, P(), P()))))
+        new_buffers, losses, ntok = program(params, buffers, microbatches)
+        self.num_tokens = ntok if traced.get("per_token") else None
+        if not forward_only:
+            self._grad_buffers = new_buffers
+            self._reduced = None
+            if self._is_last_microbatch:
+                self.start_grad_sync()
+        return losses
 
     def shard_batch(self, local_batch: Any) -> Any:
         """Global batch arrays from each process's local rows (split over data parallelism)."""
         sharding = NamedSharding(self.mesh, self.batch_spec)
         return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_batch)
+
+
+def _path_key(path: tuple) -> str:
+    """``params/layer_00/kernel`` for a tree path (dict keys, sequence indices, attributes)."""
+    parts = []
+    for k in path:
+        parts.append(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))))
+    return "/".join(parts)

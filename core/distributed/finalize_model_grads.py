@@ -34,6 +34,7 @@ on the (small) affected parameters first, the data-parallel one per bucket.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,33 @@ def allreduce_model_parallel_grads(
     return out
 
 
-def finalize_model_grads(
+def finalize_model_grads(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """Megatron's ``finalize_model_grads(model, num_tokens=None)``, or its functional form.
+
+    * ``model`` a list of ``DistributedDataParallel`` model chunks (or one), outside
+      ``shard_map``: finish every chunk's grad sync (the data-parallel reduction of its grad
+      buffers with the model-parallel sums of :func:`reduce_model_grads`) and, with
+      ``num_tokens`` (the global token count of a per-token loss: the loss functions returned
+      summed losses), divide the gradients by it, as Megatron's loop does after
+      ``forward_backward_func``. Returns None; ``optimizer_step`` reads the result.
+    * ``model`` a sequence of gradient arrays, inside ``shard_map``: the functional form,
+      :func:`reduce_model_grads` ``(grad_leaves, infos, specs, ddp_config, state, num_tokens)``.
+    """
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if chunks and all(hasattr(c, "finish_grad_sync") for c in chunks):
+        return _finalize_model_chunks(chunks, *args, **kwargs)
+    return reduce_model_grads(model, *args, **kwargs)
+
+
+def _finalize_model_chunks(model_chunks: Sequence[Any], num_tokens: Any = None) -> None:
+    for chunk in model_chunks:
+        chunk.finish_grad_sync()
+    if num_tokens is not None:
+        for chunk in model_chunks:
+            chunk.scale_gradients(chunk.per_token_scale(num_tokens))
+
+
+def reduce_model_grads(
     grad_leaves: Sequence[jax.Array],
     infos: Sequence[ParamInfo],
     specs: Sequence[BufferSpec],

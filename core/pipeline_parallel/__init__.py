@@ -8,3 +8,24 @@
 * ``p2p_communication``: Megatron-named stage transfers on ``ppermute``.
 * ``utils``: layers per stage / chunk and layer offsets.
 """
+
+from core.pipeline_parallel.gpipe import PipelineModule, execute_pipeline, execute_pipeline_step
+from core.pipeline_parallel.p2p_communication import (
+    send_backward_recv_backward,
+    send_forward_recv_backward,
+    send_forward_recv_forward,
+)
+from core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+)
+from core.pipeline_parallel.utils import get_num_layers_to_build, split_microbatches
+
+__all__ = [
+    "PipelineModule", "execute_pipeline", "execute_pipeline_step", "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func", "get_num_layers_to_build", "send_backward_recv_backward",
+    "send_forward_recv_backward", "send_forward_recv_forward", "split_microbatches",
+]

@@ -8,7 +8,11 @@ Contract (Megatron's, adapted to functional JAX):
   consumes the activation received from the previous stage (Megatron's ``set_input_tensor``).
 * ``loss_func(output) -> (loss, reduced_loss_dict)`` or ``(loss_sum, num_tokens, dict)``.
 * ``model`` is ``(stage_fn, params)`` with ``stage_fn(params, x) -> y``; gradients are taken
-  with respect to ``params`` (the stage's own parameters in a pipeline).
+  with respect to ``params`` (the stage's own parameters in a pipeline). Or, as in Megatron's
+  loop, ``model`` is a ``DistributedDataParallel`` (or a list of one): then the call is made
+  outside ``shard_map`` with global microbatches, runs as one jitted program over the mesh,
+  accumulates the grads in the DDP's grad buffers and returns the loss dicts averaged over
+  data parallelism (``DistributedDataParallel.run_forward_backward``).
 * Returns ``(losses_reduced, grads, num_tokens)``: Megatron's list of one reduced-loss dict per
   microbatch (valid on the last stage; zeros on other stages in SPMD), the parameter grads
   (``None`` when ``forward_only``) and the summed token count (``None`` without per-token loss).
@@ -36,6 +40,23 @@ from core import parallel_state as ps
 from core.pipeline_parallel.table_driven import execute_schedule, split_loss
 
 
+def _ddp_model(model: Any) -> Any:
+    """The ``DistributedDataParallel`` when ``model`` is one (or Megatron's list of one chunk),
+    else None: then the schedule runs itself, Megatron's way (see ``run_forward_backward``)."""
+    chunks = model if isinstance(model, list) else [model]
+    ddp = [c for c in chunks if hasattr(c, "run_forward_backward")]
+    if not ddp:
+        return None
+    if len(chunks) != 1:
+        raise ValueError(f"model: one DistributedDataParallel chunk per call, got a list of {len(chunks)}; "
+                         "interleaved chunks go as (stage_fn, params) pairs inside shard_map")
+    return ddp[0]
+
+
+def _run_on_ddp(schedule: Callable, model: Any, **kwargs: Any) -> Any:
+    return _ddp_model(model).run_forward_backward(schedule, **kwargs)
+
+
 def _take(data_iterator: Iterator, num_microbatches: int) -> Any:
     items = [next(data_iterator) for _ in range(num_microbatches)]
     return jax.tree.map(lambda *a: jnp.stack(a), *items)
@@ -54,12 +75,15 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     so activation memory is one microbatch's whatever ``num_microbatches`` (the point of
     gradient accumulation).
     """
+    if _ddp_model(model) is not None:
+        return _run_on_ddp(forward_backward_no_pipelining, model, forward_step_func=forward_step_func,
+                           data_iterator=data_iterator, num_microbatches=num_microbatches, forward_only=forward_only)
     del seq_length, micro_batch_size  # shapes come from the data in JAX
     stage_fn, params = model
     data = _take(data_iterator, num_microbatches)
 
     def one(p, d):
-        out, loss_func = forward_step_func(d, lambda x: stage_fn(p, x))
+        out, loss_func = forward_step_func(d, lambda *a, **k: stage_fn(p, *a, **k))
         loss, nt, rd = split_loss(loss_func(out), num_microbatches)
         return loss, (nt if nt is not None else jnp.zeros(()), rd)
 
@@ -95,6 +119,10 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func: Calla
     (:mod:`core.pipeline_parallel.table_driven`). Call inside ``shard_map``; ``model =
     (stage_fn, stage_params)`` with homogeneous stages (``y.shape == x.shape``).
     """
+    if _ddp_model(model) is not None:
+        return _run_on_ddp(forward_backward_pipelining_without_interleaving, model,
+                           forward_step_func=forward_step_func, data_iterator=data_iterator,
+                           num_microbatches=num_microbatches, forward_only=forward_only, axis_name=axis_name)
     del seq_length, micro_batch_size
     stage_fn, params = model
     losses, grads, ntok = execute_schedule(
@@ -115,6 +143,14 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func: Callable
     with a leading ``[vpp]`` dim; ``data_iterator`` one iterator (or Megatron's list, of which the
     first is read). Grads come back in the same form as ``model``'s params.
     """
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if _ddp_model(model) is not None:
+        return _run_on_ddp(forward_backward_pipelining_with_interleaving, model,
+                           forward_step_func=forward_step_func, data_iterator=data_iterator,
+                           num_microbatches=num_microbatches, forward_only=forward_only,
+                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                           axis_name=axis_name)
     del seq_length, micro_batch_size
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]

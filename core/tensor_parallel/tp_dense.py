@@ -124,6 +124,12 @@ class ModelParallelismWrapper(nn.Module):
         return module(*args, **kwargs)
 
 
+def _bias_kwargs(use_bias: bool) -> dict:
+    """``dense_fn``'s bias keyword: passed only to turn the bias off, so a ``dense_fn`` without a
+    ``use_bias`` argument keeps working with the default."""
+    return {} if use_bias else {"use_bias": False}
+
+
 def _sharded_dense(layer, kernel_init, name, module_kwargs=_NO_KWARGS):
     return ModelParallelismWrapper(
         model_axis_name=layer.model_axis_name,
@@ -148,19 +154,22 @@ class TPDense(nn.Module):
     """Factor applied to the kernel initializer."""
     dense_name: str = "module"
     """Name of the wrapped dense module."""
+    use_bias: bool = True
+    """Whether the dense layers have a bias (``False`` is passed on to ``dense_fn`` as ``use_bias``)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """Apply the layer."""
         mode = self.tp_mode if lax.axis_size(self.model_axis_name) > 1 else "none"
+        bias = _bias_kwargs(self.use_bias)
         if mode == "none":
-            return self.dense_fn(kernel_init=self.kernel_init)(x)
+            return self.dense_fn(kernel_init=self.kernel_init, **bias)(x)
         if mode == "gather":
             if not self.skip_communication:
                 x = all_gather_last_dim_from_tensor_parallel_region(x, self.model_axis_name)
-            return _sharded_dense(self, self.kernel_init, self.dense_name)(x)
+            return _sharded_dense(self, self.kernel_init, self.dense_name, FrozenDict(bias))(x)
         if mode == "scatter":
-            y = _sharded_dense(self, self.kernel_init, self.dense_name)(x)
+            y = _sharded_dense(self, self.kernel_init, self.dense_name, FrozenDict(bias))(x)
             if not self.skip_communication:
                 y = reduce_scatter_last_dim_to_tensor_parallel_region(y, self.model_axis_name)
             return y
@@ -186,6 +195,8 @@ class TPAsyncDense(nn.Module):
     """Gather both ways round the ring."""
     use_bidirectional_scatter: bool = False
     """Scatter with the features split over both ring directions."""
+    use_bias: bool = True
+    """Whether the layer has a bias: on the first chunk's dense only (the chunks are summed)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -193,8 +204,9 @@ class TPAsyncDense(nn.Module):
         n = lax.axis_size(self.model_axis_name)
         mode = self.tp_mode if n > 1 else "none"
         if mode == "none":
-            return self.dense_fn(kernel_init=self.kernel_init, name="shard_0")(x)
-        shard = lambda i: _sharded_dense(self, self.kernel_init, f"shard_{i}", FrozenDict({"use_bias": i == 0}))
+            return self.dense_fn(kernel_init=self.kernel_init, name="shard_0", **_bias_kwargs(self.use_bias))(x)
+        bias = lambda i: FrozenDict({"use_bias": self.use_bias and i == 0})
+        shard = lambda i: _sharded_dense(self, self.kernel_init, f"shard_{i}", bias(i))
         if mode == "gather":
             gather = async_gather_bidirectional if self.use_bidirectional_gather else async_gather
             ys = [shard(i)(chunk) for i, chunk in enumerate(gather(x, self.model_axis_name))]

@@ -1,0 +1,251 @@
+"""Megatron's call forms on the package (issue 29): package exports, the DDP facade
+(``disable_bucketing``, ``forward``, ``state_dict``, ``scale_gradients`` after the sync, expert-safe
+``broadcast_params``), ``finalize_model_grads(model_chunks, num_tokens)`` through the Megatron
+loop example, and the rng that ``make_train_step`` hands the loss function."""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ddp_models import MLP, make_batch, mse_loss
+from jax.sharding import NamedSharding
+
+from core import parallel_state as ps
+from core.distributed.distributed_data_parallel import DistributedDataParallel
+from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.optimizer.optimizer_config import OptimizerConfig
+from core.param_metadata import with_parallel_metadata
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+GLOBAL_BATCH = 32
+SGD = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
+
+
+def _mlp_ddp(ddp_config=None, opt=SGD, **kwargs):
+    module = MLP()
+    ddp = DistributedDataParallel(ps.build_parallel_state(), ddp_config or DistributedDataParallelConfig(), module,
+                                  opt, **kwargs)
+    x, y = make_batch(GLOBAL_BATCH)
+    params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
+    return ddp, module, params, (x, y)
+
+
+def test_package_exports_megatron_names():
+    from core import distributed, optimizer, pipeline_parallel
+    from core.distributed import DistributedDataParallel as DDP
+    from core.distributed import DistributedDataParallelConfig as Config
+    from core.distributed import finalize_model_grads
+    from core.distributed.finalize_model_grads import finalize_model_grads as finalize
+    from core.optimizer import DistributedOptimizer, OptimizerConfig
+    from core.pipeline_parallel import PipelineModule, execute_pipeline, get_forward_backward_func
+    from core.pipeline_parallel.gpipe import PipelineModule as PM
+    from core.pipeline_parallel.schedules import get_forward_backward_func as gfb
+
+    assert DDP is DistributedDataParallel and Config is DistributedDataParallelConfig
+    assert finalize_model_grads is finalize and PipelineModule is PM and get_forward_backward_func is gfb
+    assert callable(execute_pipeline) and DistributedOptimizer and OptimizerConfig
+    for package in (distributed, optimizer, pipeline_parallel):
+        for name in package.__all__:
+            assert getattr(package, name) is not None, (package.__name__, name)
+
+
+@pytest.mark.parametrize("first", ["core.distributed", "core.optimizer", "core.pipeline_parallel",
+                                   "core.tensor_parallel"])
+def test_package_imports_work_in_any_order(first):
+    """No circular import whichever package a user imports first (a fresh interpreter)."""
+    code = (f"import {first}\n"
+            "from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads\n"
+            "from core.optimizer import DistributedOptimizer\n"
+            "from core.pipeline_parallel import get_forward_backward_func, execute_pipeline, PipelineModule\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT, timeout=120)
+
+
+def test_scale_gradients_after_finish_grad_sync_scales_the_update():
+    """Megatron's num_tokens path scales after finish_grad_sync: 0 leaves params, 0.5 halves SGD's step."""
+    ddp, module, params, (x, y) = _mlp_ddp()
+    batch = ddp.shard_batch((x, y))
+    moved = {}
+    for factor in (1.0, 0.5, 0.0):
+        ddp.zero_grad_buffer()
+        ddp.backward(mse_loss(module), params, batch)  # outside no_sync: starts the sync
+        ddp.finish_grad_sync()
+        ddp.scale_gradients(factor)
+        new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+        moved[factor] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, params)
+    for leaf_full, leaf_half, leaf_zero in zip(*(jax.tree.leaves(moved[f]) for f in (1.0, 0.5, 0.0)), strict=True):
+        assert np.abs(leaf_full).max() > 0
+        np.testing.assert_array_equal(leaf_zero, 0.0)
+        np.testing.assert_allclose(leaf_half, leaf_full / 2, rtol=1e-5, atol=1e-7)  # param differences
+
+
+class _DenseAndExperts(nn.Module):
+    """One dense kernel and one expert kernel split over ``ep`` (2 experts per ep rank)."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = self.param("dense", with_parallel_metadata(nn.initializers.normal(), (None, None)), (4, 4))
+        experts = self.param("experts", with_parallel_metadata(nn.initializers.normal(), ("ep", None, None),
+                                                               expert=True), (2, 4, 4))
+        return x @ dense + jnp.einsum("bi,eij->bj", x, experts)
+
+
+def _per_device(leaf, value_of):
+    """A global array whose shard on every device is ``value_of(device's global index, device)``:
+    copies that differ across ranks, as after a load on one rank."""
+    sharding = leaf.sharding
+    base = np.asarray(leaf)
+    arrays = [jax.device_put(value_of(base[idx], d), d) for d, idx in
+              sharding.addressable_devices_indices_map(leaf.shape).items()]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+
+
+def test_broadcast_params_keeps_each_ep_ranks_experts():
+    """ep=2, expert dp=4: dense params come from data-parallel rank 0, experts from expert-dp rank
+    0 of the same ep rank (before, ep rank 0's experts overwrote ep rank 1's)."""
+    state = ps.build_parallel_state(expert_model_parallel_size=2)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _DenseAndExperts(), SGD)
+    params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
+    experts = params["params"]["experts"]  # the ep ranks' experts made distinct
+    params["params"]["experts"] = jax.device_put(np.arange(experts.size, dtype=np.float32).reshape(experts.shape),
+                                                 experts.sharding)
+    ranks = {d: int(r) for d, r in zip(state.mesh.devices.flat, state.device_ranks.flat, strict=True)}
+
+    def rank_coordinate(d, axes):
+        return state.group_rank(ranks[d], axes)
+
+    skewed = {
+        "params": {
+            "dense": _per_device(params["params"]["dense"],
+                                 lambda v, d: v + 100 * rank_coordinate(d, state.data_parallel_axis_name)),
+            "experts": _per_device(params["params"]["experts"], lambda v, d: v + 100 * rank_coordinate(d, ("dp",))),
+        }
+    }
+    synced = ddp.broadcast_params(skewed)
+    for name in ("dense", "experts"):
+        want = np.asarray(params["params"][name])
+        for shard in synced["params"][name].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=name)
+
+
+def test_disable_bucketing_puts_a_buffer_in_one_bucket():
+    cfg = DistributedDataParallelConfig(bucket_size=300)
+    bucketed, *_ = _mlp_ddp(cfg)
+    single, *_ = _mlp_ddp(cfg, disable_bucketing=True)
+    assert len(bucketed.buffer_specs[0].layout.bucket_indices) > 1
+    assert [len(s.layout.bucket_indices) for s in single.buffer_specs] == [1]
+
+
+def test_forward_state_dict_and_load_state_dict():
+    ddp, module, params, (x, _) = _mlp_ddp()
+    np.testing.assert_array_equal(np.asarray(ddp(params, x)), np.asarray(module.apply(params, x)))
+    np.testing.assert_array_equal(np.asarray(ddp.forward(params, x)), np.asarray(ddp(params, x)))
+    sd = ddp.state_dict(params)
+    assert sorted(sd) == sorted(f"params/layer_0{i}/{p}" for i in range(4) for p in ("bias", "kernel"))
+    changed = {k: v + 1.0 for k, v in sd.items()}
+    loaded = ddp.load_state_dict(changed)
+    assert ddp.params is loaded
+    for k, v in ddp.state_dict().items():
+        np.testing.assert_array_equal(v, changed[k])
+    with pytest.raises(KeyError, match="missing keys.*layer_00/bias"):
+        ddp.load_state_dict({k: v for k, v in sd.items() if k != "params/layer_00/bias"})
+    with pytest.raises(KeyError, match="unexpected keys.*extra"):
+        ddp.load_state_dict({**sd, "extra": np.zeros(1)})
+    partial = ddp.load_state_dict({"params/layer_00/bias": sd["params/layer_00/bias"], "extra": 0}, strict=False)
+    np.testing.assert_array_equal(np.asarray(partial["params"]["layer_00"]["bias"]), sd["params/layer_00/bias"])
+    np.testing.assert_array_equal(np.asarray(partial["params"]["layer_01"]["kernel"]), changed["params/layer_01/kernel"])
+    with pytest.raises(ValueError, match="layer_00/kernel has shape"):
+        ddp.load_state_dict({**sd, "params/layer_00/kernel": np.zeros((3, 3))})
+
+
+def test_megatron_loop_example_equals_one_device():
+    """examples/megatron_style_loop.py: tp=2 dp=4, distributed optimizer, per-token loss through
+    finalize_model_grads([model], num_tokens) vs plain JAX on one device (rtol 1e-5)."""
+    import megatron_style_loop
+
+    assert megatron_style_loop.check(tp=2, steps=3) < 1e-5
+
+
+def test_megatron_loop_tensor_parallel_state_dict_is_layout_free():
+    """The tp=2 and tp=1 models start from the same global parameters (Megatron's master init)."""
+    import megatron_style_loop
+
+    a, b = megatron_style_loop.initial_params(2), megatron_style_loop.initial_params(1)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_forward_only_and_mean_loss_through_the_schedule():
+    """A (loss, dict) loss_func: the schedule divides by num_microbatches, DDP averages over dp;
+    forward_only leaves the grad buffers alone."""
+    from core.distributed import finalize_model_grads
+    from core.pipeline_parallel import get_forward_backward_func
+
+    ddp, module, params, (x, y) = _mlp_ddp()
+    sharding = NamedSharding(ddp.mesh, ddp.batch_spec)
+    halves = [(x[i::2], y[i::2]) for i in range(2)]
+
+    def data():
+        for hx, hy in halves:
+            yield tuple(jax.device_put(a, sharding) for a in (hx, hy))
+
+    def forward_step_func(mb, model):
+        out = model(mb[0])
+        return out, lambda o: (jnp.mean((o - mb[1]) ** 2), {"mse": jnp.mean((o - mb[1]) ** 2)})
+
+    fb = get_forward_backward_func(ddp.state)
+    ddp.zero_grad_buffer()
+    losses = fb(forward_step_func=forward_step_func, data_iterator=data(), model=ddp, num_microbatches=2,
+                forward_only=True)
+    assert ddp.num_tokens is None
+    want = [float(mse_loss(module)(params, (hx, hy))) for hx, hy in halves]
+    np.testing.assert_allclose([float(d["mse"]) for d in losses], want, rtol=1e-5)
+    fb(forward_step_func=forward_step_func, data_iterator=data(), model=[ddp], num_microbatches=2)
+    finalize_model_grads([ddp])
+    new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+    grads = jax.grad(lambda p: sum(mse_loss(module)(p, h) for h in halves) / 2)(params)
+    want_params = jax.tree.map(lambda p, g: p - SGD.lr * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 new, want_params)
+    assert ddp.params is new
+
+
+def test_make_train_step_hands_the_loss_a_key_per_rank_and_microbatch():
+    """with_rng: loss_fn(params, microbatch, rng) gets fold_in(fold_in(rng, dp rank), microbatch);
+    a dropout model trained that way equals the same keys applied on one device."""
+    ddp, module, params, (x, y) = _mlp_ddp()
+    m, dp = 2, 8
+    per = GLOBAL_BATCH // dp
+
+    def loss_fn(p, mb, rng):
+        bx, by = mb
+        keep = jax.random.bernoulli(rng, 0.7, by.shape)
+        return jnp.mean((module.apply(p, bx) * keep / 0.7 - by) ** 2)
+
+    step = ddp.make_train_step(loss_fn, m, with_rng=True)
+    rng = jax.random.key(42)
+    new, _, metrics = step(jax.tree.map(jnp.copy, params), ddp.init_optimizer(params), ddp.shard_batch((x, y)), rng)
+
+    def reference_loss(p):
+        total = 0.0
+        for r in range(dp):
+            rows = slice(r * per, (r + 1) * per)
+            for i in range(m):
+                mb = (x[rows][i * per // m:(i + 1) * per // m], y[rows][i * per // m:(i + 1) * per // m])
+                total += loss_fn(p, mb, jax.random.fold_in(jax.random.fold_in(rng, r), i))
+        return total / (dp * m)
+
+    loss, grads = jax.value_and_grad(reference_loss)(params)
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-5)
+    want = jax.tree.map(lambda p, g: p - SGD.lr * g, params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7), new, want)
+    with pytest.raises(TypeError, match=r"\(params, opt_state, batch, rng\)"):
+        step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
+
