@@ -245,7 +245,9 @@ class DistributedDataParallel:
                     raise ValueError(
                         f"global batch {leaf.shape[0]} is not divisible by data_parallel_size ({dp}) x "
                         f"num_microbatches ({num_microbatches})")
-            return jitted(params, opt_state, batch, meta["masks"], *rng)
+            out = jitted(params, opt_state, batch, meta["masks"], *rng)
+            self.params = out[0]  # the donated input is gone; the facade follows the step
+            return out
 
         return train_step
 
