@@ -249,3 +249,43 @@ def test_make_train_step_hands_the_loss_a_key_per_rank_and_microbatch():
     with pytest.raises(TypeError, match=r"\(params, opt_state, batch, rng\)"):
         step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
 
+
+
+class _Stage(nn.Module):
+    """One pipeline stage: ``tanh(x @ w)``, its weight split over ``"pp"`` (local ``[1, 8, 8]``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", with_parallel_metadata(nn.initializers.normal(1.0), ("pp", None, None)), (1, 8, 8))
+        return jnp.tanh(x @ w[0])
+
+
+def test_megatron_loop_with_1f1b_on_a_ddp_model():
+    """pp=2 x dp=4: get_forward_backward_func picks 1F1B, run on the DDP model's stage params; the
+    losses and the SGD step equal the two-layer network on one device."""
+    from core.distributed import finalize_model_grads
+    from core.pipeline_parallel import forward_backward_pipelining_without_interleaving, get_forward_backward_func
+
+    state = ps.build_parallel_state(pipeline_model_parallel_size=2)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=True), _Stage(), SGD)
+    params = ddp.init(jax.random.key(0), jnp.ones((2, 8)))
+    fb = get_forward_backward_func(state)
+    assert fb is forward_backward_pipelining_without_interleaving
+    rng = np.random.default_rng(0)
+    x, t = rng.normal(size=(4, 16, 8)).astype(np.float32), rng.normal(size=(4, 16, 8)).astype(np.float32)
+
+    def forward_step_func(mb, model):
+        return model(mb[0]), lambda y: (jnp.mean((y - mb[1]) ** 2), {"mse": jnp.mean((y - mb[1]) ** 2)})
+
+    ddp.zero_grad_buffer()
+    losses = fb(forward_step_func=forward_step_func, data_iterator=iter([ddp.shard_batch((x[i], t[i])) for i in range(4)]),
+                model=[ddp], num_microbatches=4)
+    finalize_model_grads([ddp])
+    new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+
+    w = np.asarray(params["params"]["w"])  # [2, 8, 8]: stage 0, stage 1
+    net = lambda w, xi: jnp.tanh(jnp.tanh(xi @ w[0]) @ w[1])
+    want = [float(jnp.mean((net(w, x[i]) - t[i]) ** 2)) for i in range(4)]
+    np.testing.assert_allclose([float(d["mse"]) for d in losses], want, rtol=1e-5)
+    g = jax.grad(lambda w: sum(jnp.mean((net(w, x[i]) - t[i]) ** 2) for i in range(4)) / 4)(jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(new["params"]["w"]), w - SGD.lr * np.asarray(g), rtol=1e-5, atol=1e-6)
