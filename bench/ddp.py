@@ -8,11 +8,19 @@ All variants train the same model on the same global batch with AdamW, inside on
 
 * ``pmean per leaf``: ``jit(shard_map)`` step, ``lax.pmean`` of every gradient leaf, optax;
 * ``DDP all-reduce``: this package, one bucket and several buckets;
-* ``DDP distributed optimizer``: reduce-scatter buckets, sharded Adam state, all-gather.
+* ``DDP distributed optimizer``: reduce-scatter buckets, sharded Adam state, all-gather;
+* ``DDP partial distributed optimizer, 2 instances`` (``num_distributed_optimizer_instances=2``):
+  the state sharded over world/2 ranks, reduce-scatter inside each half, all-reduce across.
 
 Step time is the median of ``--steps`` timed steps after two warm-up steps. The bucket check
 times the DDP's gradient reduction alone (one jitted program reducing every bucket, as in
 the step) against the sum of each bucket's collective run stand-alone.
+
+The reduce-scatter traffic check reduces one bucket of the model's size with bf16 grads three
+ways (fp32 buffers as with ``grad_reduce_in_fp32``; a plain bf16 reduce-scatter;
+``reduce_scatter_with_fp32_accumulation``) and reports the bytes each device sends, counted
+from the compiled program's collectives (``hlo_collective_bytes``), next to the ring formula
+for the dtype the program asks for, and the reduction's time.
 """
 
 from __future__ import annotations
@@ -69,10 +77,13 @@ def worker(args) -> None:
     from jax.sharding import PartitionSpec as P
 
     from core import parallel_state as ps
+    from core.distributed.collectives import hlo_collective_bytes
     from core.distributed.distributed_data_parallel import DistributedDataParallel
     from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.distributed.grad_sync import reduce_gradient_buckets
+    from core.distributed.param_and_grad_buffer import build_buffer_specs
     from core.optimizer.optimizer_config import OptimizerConfig
+    from core.param_metadata import ParamInfo
 
     state = ps.initialize_model_parallel()
     world, rank = state.world_size, jax.process_index()
@@ -127,6 +138,9 @@ def worker(args) -> None:
         f"DDP distributed optimizer, {args.buckets} buckets": DistributedDataParallelConfig(
             use_distributed_optimizer=True, bucket_size=bucket),
     }
+    if world % 2 == 0:
+        variants["DDP partial distributed optimizer, 2 instances, 1 bucket"] = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
     last = None
     for name, ddp_config in variants.items():
         ddp = DistributedDataParallel(state, ddp_config, model, cfg)
@@ -134,7 +148,8 @@ def worker(args) -> None:
         opt_state = ddp.init_optimizer(params)
         nbytes = ddp.optimizer_state_bytes_per_device(opt_state)
         results[name] = (timed(ddp.make_train_step(loss_fn), params, opt_state, batch), nbytes)
-        last = ddp
+        if ddp_config.num_distributed_optimizer_instances == 1:
+            last = ddp
     if rank == 0:
         base = results["pmean per leaf"][0]
         for name, (seconds, nbytes) in results.items():
@@ -167,6 +182,29 @@ def worker(args) -> None:
         alone += median_seconds(single, arrays[i], reps=args.steps)
     if rank == 0:
         emit({"world": world, "buckets": sizes, "together_s": in_step, "sum_alone_s": alone})
+
+    # Reduce-scatter of one bf16 bucket of the model's size: bytes on the wire and time.
+    for name, ddp_config, wire_itemsize in [
+        ("fp32 buffer (grad_reduce_in_fp32)", DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True), 4),
+        ("bf16 buffer, plain reduce-scatter", DistributedDataParallelConfig(use_distributed_optimizer=True), 2),
+        ("bf16 buffer, reduce_scatter_with_fp32_accumulation", DistributedDataParallelConfig(
+            use_distributed_optimizer=True, reduce_scatter_with_fp32_accumulation=True), 2),
+    ]:
+        spec = build_buffer_specs([(numel,)], [jnp.bfloat16], [ParamInfo(P())], data_parallel_size=world,
+                                  bucket_size=None, use_distributed_optimizer=True,
+                                  grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32)
+        size = spec[0].bucket_sizes()[0]
+        dtype = jnp.dtype(spec[0].key.grad_dtype)
+        fn = jax.jit(jax.shard_map(
+            lambda x, spec=spec, c=ddp_config: reduce_gradient_buckets([(x[0],)], spec, c, state)[0][0][None],
+            mesh=state.mesh, in_specs=local_spec, out_specs=local_spec, check_vma=False))
+        x = jax.device_put(jnp.ones((world, size), dtype), sharding)
+        wire = hlo_collective_bytes(fn.lower(x).compile().as_text(), world)
+        seconds = median_seconds(fn, x, reps=args.steps)
+        if rank == 0:
+            emit({"world": world, "reduce_scatter": name, "elements": size, "hlo_bytes": sum(wire.values()),
+                  "ops": sorted(wire), "ring_bytes": wire_itemsize * size * (world - 1) // world, "rs_s": seconds})
 
 
 def main() -> None:
@@ -201,6 +239,14 @@ def main() -> None:
         if "buckets" in r:
             print(f"| {r['world']} | {r['buckets']} | {r['together_s'] * 1e3:.1f} | {r['sum_alone_s'] * 1e3:.1f} "
                   f"| {r['together_s'] / r['sum_alone_s']:.2f} |")
+    print()
+    print("| world | bf16 bucket reduce-scatter | elements | bytes sent per device, compiled HLO | ring formula, "
+          "program dtype | collectives | ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "reduce_scatter" in r:
+            print(f"| {r['world']} | {r['reduce_scatter']} | {r['elements']} | {r['hlo_bytes'] / 2**20:.2f} MiB "
+                  f"| {r['ring_bytes'] / 2**20:.2f} MiB | {', '.join(r['ops'])} | {r['rs_s'] * 1e3:.1f} |")
     params = next(r["params"] for r in rows if "params" in r)
     print(f"\nmodel: {params / 1e6:.2f}M params; Adam state of the replicated optimizer = 8 bytes/param "
           f"({8 * params / 2**20:.1f} MiB) per device")

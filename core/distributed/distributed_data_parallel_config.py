@@ -7,7 +7,24 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class DistributedDataParallelConfig:
-    """Megatron-core's DDP options (same names and defaults)."""
+    """Megatron-core's DDP options (same names, defaults and meaning).
+
+    Megatron-core fields not here, and why:
+
+    * ``num_buckets`` (an alternative to ``bucket_size``): not supported; give ``bucket_size``.
+    * ``fp8_param_gather``, ``fp4_param_gather``, ``reuse_grad_buf_for_mxfp8_param_ag``,
+      ``keep_fp8_transpose_cache``: not applicable, the package has no FP8/FP4 parameters.
+    * ``use_megatron_fsdp``, ``use_custom_fsdp``, ``data_parallel_sharding_strategy``,
+      ``outer_dp_sharding_strategy``, ``suggested_communication_unit_size``,
+      ``preserve_fp32_weights``, ``fsdp_double_buffer``: Megatron-FSDP options, not supported
+      (this DDP shards at most the optimizer, ZeRO-1; ``core.distributed.data_parallel`` has the
+      xlstm_jax FSDP utilities instead).
+    * ``nccl_ub``, ``disable_symmetric_registration``: NCCL user-buffer registration; not
+      applicable, XLA allocates and registers collective buffers itself.
+    * ``gradient_reduce_div_fusion``: not applicable, XLA fuses the 1/dp pre-scaling into the
+      producer of the bucket anyway.
+    * ``delay_wgrad_compute``: not supported (XLA schedules the weight-gradient matmuls).
+    """
 
     grad_reduce_in_fp32: bool = False
     """Accumulate and reduce gradients in fp32 buffers whatever the parameter dtype."""
@@ -16,23 +33,57 @@ class DistributedDataParallelConfig:
     XLA can overlap bucket collectives with the rest of the backward pass)."""
     overlap_param_gather: bool = False
     """Distributed optimizer: one all-gather of updated params per bucket (each can overlap with other
-    work) instead of one all-gather per buffer (fewer, larger collectives)."""
+    work) instead of one all-gather per buffer (fewer, larger collectives). Needs
+    ``use_distributed_optimizer`` (Megatron's rule)."""
+    align_param_gather: bool = False
+    """Megatron: every pipeline stage launches its param all-gathers at the same time (through the
+    schedule's ``param_sync_func``) instead of each stage on its own; only consulted with
+    ``overlap_param_gather``, otherwise ignored, as in Megatron (whose CLI default is True). In this
+    SPMD package every stage runs one program that issues the same gathers in the same order, so
+    they are aligned by construction: accepted, no effect on the program."""
     use_distributed_optimizer: bool = False
     """Reduce-scatter grads and shard fp32 master params + optimizer state over data parallelism (ZeRO-1)."""
-    bucket_size: int | None = None
-    """Elements per bucket. None: Megatron's default max(40M, 1M * dp) when overlapping, one bucket
-    otherwise. An explicit value is honoured even without overlap (Megatron silently ignores it)."""
-    average_in_collective: bool = False
-    """Average in the collective (pmean) instead of pre-scaling grads by 1/dp and summing."""
+    num_distributed_optimizer_instances: int = 1
+    """Partial distributed optimizer: the data-parallel (x context-parallel) group is split into this
+    many instances of contiguous ranks; optimizer state is sharded over the ranks of one instance
+    (reduce-scatter and param all-gather inside it) and replicated across instances (the shards are
+    all-reduced over the ranks holding the same shard). 1: shard over all of data parallelism.
+    Needs ``use_distributed_optimizer``; dp x cp (and the expert-data-parallel size) must divide by it."""
     check_for_nan_in_grad: bool = False
     """Skip the update when any rank's grads hold a NaN/Inf (seen in the global grad norm, the same on
     every rank) and report the params and ranks whose local grads had them (``check_nonfinite``)."""
+    check_for_large_grads: bool = False
+    """Before the data-parallel collective, check every bucket's local grad norm against 10x the max of
+    the first 100 finite bucket norms this rank saw (Megatron's ``is_unexpectedly_large``, kept in the
+    optimizer state); a large one on any rank skips the update everywhere, sets the ``large_grads``
+    metric and makes ``check_nonfinite`` raise naming bucket, params and rank."""
+    bucket_size: int | None = None
+    """Elements per bucket. None: Megatron's default max(40M, 1M * dp) when overlapping, one bucket
+    otherwise. An explicit value is honoured even without overlap (Megatron silently ignores it)."""
     pad_buckets_for_high_nccl_busbw: bool = False
     """Pad bucket ends to lcm(dp, 128, 2**16) instead of lcm(dp, 128) (distributed optimizer only)."""
+    reduce_scatter_with_fp32_accumulation: bool = False
+    """Distributed optimizer: reduce-scatter as an all-to-all of the grads in their own dtype (bf16 on
+    the wire, the traffic of a ring reduce-scatter) and a local fp32 sum of the received chunks, cast
+    back to the grad dtype (Megatron's implementation). No effect without the distributed optimizer."""
+    average_in_collective: bool = False
+    """Average in the collective (pmean) instead of pre-scaling grads by 1/dp and summing."""
 
     def __post_init__(self) -> None:
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive int or None, got {self.bucket_size!r}")
+        n = self.num_distributed_optimizer_instances
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"num_distributed_optimizer_instances must be a positive int, got {n!r}")
+        if n > 1 and not self.use_distributed_optimizer:
+            raise ValueError(f"num_distributed_optimizer_instances={n} (partial distributed optimizer) needs "
+                             "use_distributed_optimizer=True")
+        if n > 1 and self.reduce_scatter_with_fp32_accumulation:
+            raise ValueError(f"reduce_scatter_with_fp32_accumulation is not supported with "
+                             f"num_distributed_optimizer_instances={n} > 1 (as in Megatron)")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True (only the distributed "
+                             "optimizer gathers params)")
 
     def effective_bucket_size(self, data_parallel_size: int) -> int | None:
         """The bucket size actually used (None = a single bucket per buffer)."""
@@ -41,3 +92,16 @@ class DistributedDataParallelConfig:
         if self.overlap_grad_reduce:
             return max(40_000_000, 1_000_000 * data_parallel_size)
         return None
+
+    def intra_instance_size(self, data_parallel_size: int, expert_data_parallel_size: int | None = None) -> int:
+        """Ranks per distributed-optimizer instance: ``data_parallel_size`` (dp x cp) divided by
+        ``num_distributed_optimizer_instances``. Raises ``ValueError`` when it, or the expert
+        data-parallel size, does not divide."""
+        n = self.num_distributed_optimizer_instances
+        if data_parallel_size % n:
+            raise ValueError(f"data-parallel x context-parallel size {data_parallel_size} is not divisible by "
+                             f"num_distributed_optimizer_instances={n}")
+        if expert_data_parallel_size is not None and expert_data_parallel_size % n:
+            raise ValueError(f"expert data-parallel size {expert_data_parallel_size} is not divisible by "
+                             f"num_distributed_optimizer_instances={n}")
+        return data_parallel_size // n

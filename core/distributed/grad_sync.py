@@ -11,13 +11,30 @@ depends only on its own gradients:
   processes a large bucket is flattened and goes as ring reduce-scatter + all-gather
   (:func:`core.distributed.collectives.all_reduce`, ~0.6x gloo's all-reduce time);
 * with it: reduce-scatter (:func:`core.distributed.collectives.reduce_scatter`) of the flat
-  bucket, rank r keeps shard r of every bucket.
+  bucket, rank r keeps shard r of every bucket;
+* with the partial distributed optimizer (``num_distributed_optimizer_instances`` = I > 1):
+  Megatron's two levels. The group's n ranks form I instances of g = n/I contiguous ranks
+  (Megatron's intra-partial groups ``ranks[i*g:(i+1)*g]`` of the dp-cp group); the bucket is
+  reduce-scattered inside the instance (g shards, rank keeps shard ``r mod g``), then each shard
+  is all-reduced across the instances (the inter groups ``ranks[j::g]``, whose members hold the
+  same shard). Both are real sub-group collectives (``axis_index_groups``); the result is the
+  full sum, bit-identical on the I holders of a shard;
+* with ``reduce_scatter_with_fp32_accumulation``: the reduce-scatter is an all-to-all in the
+  grad dtype plus a local fp32 sum, cast back to the grad dtype
+  (:func:`core.distributed.collectives.reduce_scatter_with_fp32_accumulation`).
 
 Scaling (see ``finalize_model_grads`` for the whole loss-normalisation contract): grads are
 pre-multiplied by ``1/(dp*cp)`` and summed, or, with ``average_in_collective``, averaged in
 the collective (expert buffers pre-scaled by ``edp/(dp*cp)`` so both give the same result).
 With per-token normalisation (``num_tokens`` given to ``finalize_model_grads``) the factor
 is 1 and the division by the global token count happens afterwards.
+
+``check_for_large_grads`` (:func:`check_for_large_grads`): Megatron's per-bucket check of the
+local gradient norm *before* the collective, with the rerun state machine's
+``is_unexpectedly_large(threshold=10, context="grads")``: per rank, the first
+``LARGE_GRAD_NUM_SAMPLES`` (100) finite bucket norms only set the reference max (never
+flagged); after them the max is frozen and a norm ``>= 10 x max`` is flagged. NaN/Inf norms
+are neither counted nor flagged (``check_for_nan_in_grad`` handles them).
 """
 
 from __future__ import annotations
@@ -26,9 +43,15 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from core.distributed.collectives import all_reduce, default_all_reduce_impl, reduce_scatter
+from core.distributed.collectives import (
+    all_reduce,
+    default_all_reduce_impl,
+    reduce_scatter,
+    reduce_scatter_with_fp32_accumulation,
+)
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.param_and_grad_buffer import (
     BufferSpec,
@@ -54,6 +77,28 @@ def axes_size(state: ParallelState, axes: Sequence[str]) -> int:
     for a in axes:
         size *= state.mesh.shape[a]
     return size
+
+
+def instance_groups(group_size: int, num_instances: int) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+    """(intra-instance, inter-instance) ``axis_index_groups`` of a reduction group of ``group_size``
+    ranks split into ``num_instances`` distributed-optimizer instances, Megatron's layout: intra
+    groups are contiguous blocks ``[i*g, (i+1)*g)``, inter groups the ranks ``j, j+g, ...`` that
+    hold the same shard. ``(None, None)`` for one instance. Raises ``ValueError`` if it does not divide."""
+    if num_instances == 1:
+        return None, None
+    if group_size % num_instances:
+        raise ValueError(f"data-parallel group of {group_size} ranks is not divisible by "
+                         f"num_distributed_optimizer_instances={num_instances}")
+    g = group_size // num_instances
+    return ([list(range(i * g, (i + 1) * g)) for i in range(num_instances)],
+            [list(range(j, group_size, g)) for j in range(g)])
+
+
+def distributed_optimizer_groups(spec: BufferSpec, ddp_config: DistributedDataParallelConfig,
+                                 state: ParallelState) -> tuple[list[list[int]] | None, list[list[int]] | None]:
+    """:func:`instance_groups` of a buffer's reduction group (over :func:`reduction_axes`)."""
+    return instance_groups(axes_size(state, reduction_axes(spec, state)),
+                           ddp_config.num_distributed_optimizer_instances)
 
 
 def _scaling(spec: BufferSpec, ddp_config: DistributedDataParallelConfig, state: ParallelState,
@@ -95,8 +140,16 @@ def reduce_gradient_buckets(
             if group == 1:
                 reduced.append(g)
             elif ddp_config.use_distributed_optimizer:
-                shard = reduce_scatter(g, axes)
-                reduced.append(shard / group if average else shard)
+                intra, inter = distributed_optimizer_groups(spec, ddp_config, state)
+                if ddp_config.reduce_scatter_with_fp32_accumulation:
+                    shard = reduce_scatter_with_fp32_accumulation(g, axes, axis_index_groups=intra)
+                    shard = (shard / group if average else shard).astype(g.dtype)
+                else:
+                    shard = reduce_scatter(g, axes, axis_index_groups=intra)
+                    if inter is not None:
+                        shard = all_reduce(shard, axes, axis_index_groups=inter)
+                    shard = shard / group if average else shard
+                reduced.append(shard)
             else:
                 reduced.append(all_reduce(g, axes, average=average))
         out.append(tuple(reduced))
@@ -144,3 +197,94 @@ def reduce_gradients(
             for i, g in grads.items():
                 out[i] = g
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# check_for_large_grads: Megatron's is_unexpectedly_large on each bucket's local grad norm
+# ---------------------------------------------------------------------------------------
+
+LARGE_GRAD_THRESHOLD = 10.0
+"""A bucket norm ``>=`` this multiple of the reference max is large (Megatron's ``threshold=10``)."""
+LARGE_GRAD_NUM_SAMPLES = 100
+"""Finite bucket norms per rank that set the reference max before any is checked (Megatron's
+``num_samples`` default)."""
+
+
+def checked_buckets(specs: Sequence[BufferSpec]) -> list[tuple[int, int]]:
+    """``(buffer index, bucket index)`` of every bucket in the order the check visits them: dense
+    buffers first, then expert ones (Megatron's ``bucket_groups + expert_parallel_bucket_groups``)."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i].key.is_expert_parallel)
+    return [(i, b) for i in order for b in range(len(specs[i].layout.bucket_indices))]
+
+
+def init_large_grad_tracker() -> dict[str, jax.Array]:
+    """This rank's running state of the check: finite norms seen so far (capped at the sample
+    count) and their max."""
+    return {"count": jnp.zeros((), jnp.int32), "max": jnp.zeros((), jnp.float32)}
+
+
+def local_bucket_norms(grad_leaves: Sequence[jax.Array], specs: Sequence[BufferSpec]) -> jax.Array:
+    """fp32 L2 norm of every bucket of this rank's local (unreduced) grads, :func:`checked_buckets` order."""
+    norms = []
+    for i, b in checked_buckets(specs):
+        spec = specs[i]
+        members = [spec.leaves[j] for j in spec.layout.bucket_params(b)]
+        sumsq = sum((jnp.sum(jnp.square(grad_leaves[k].astype(jnp.float32))) for k in members),
+                    jnp.zeros((), jnp.float32))
+        norms.append(jnp.sqrt(sumsq))
+    return jnp.stack(norms) if norms else jnp.zeros(0, jnp.float32)
+
+
+def check_for_large_grads(
+    tracker: dict[str, jax.Array], grad_leaves: Sequence[jax.Array], specs: Sequence[BufferSpec],
+    state: ParallelState, *, threshold: float = LARGE_GRAD_THRESHOLD, num_samples: int = LARGE_GRAD_NUM_SAMPLES,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array], jax.Array]:
+    """Megatron's ``check_grads(check_for_large=True)`` on this rank's local grads (inside ``shard_map``).
+
+    Visits the buckets in :func:`checked_buckets` order, as Megatron calls
+    ``is_unexpectedly_large`` once per bucket: a finite norm while fewer than ``num_samples``
+    have been seen raises the reference max and is not flagged; afterwards a norm ``>=
+    threshold x max`` is flagged. Returns (new tracker, report ``{"flags", "norms", "max"}``
+    of this rank, whether any bucket on any rank was flagged). The last value needs one scalar
+    all-reduce over every mesh axis.
+    """
+    count, ref = tracker["count"], tracker["max"]
+    norms = local_bucket_norms(grad_leaves, specs)
+    flags = []
+    for k in range(norms.shape[0]):
+        v = norms[k]
+        finite = jnp.isfinite(v)
+        warming = count < num_samples
+        flags.append(finite & ~warming & (v >= ref * threshold))
+        ref = jnp.where(finite & warming, jnp.maximum(ref, v), ref)
+        count = count + (finite & warming).astype(jnp.int32)
+    flags = jnp.stack(flags) if flags else jnp.zeros(0, bool)
+    axes = tuple(a for a in state.mesh.axis_names if state.mesh.shape[a] > 1)
+    local_any = jnp.any(flags).astype(jnp.int32)
+    any_large = (lax.psum(local_any, axes) if axes else local_any) > 0
+    return {"count": count, "max": ref}, {"flags": flags, "norms": norms, "max": ref}, any_large
+
+
+class LargeGradientError(RuntimeError):
+    """``check_for_large_grads`` flagged a bucket (Megatron's rerun state machine raises a
+    ``RuntimeError`` for a rejected result when reruns are disabled)."""
+
+
+def large_grads_message(report: dict[str, np.ndarray], specs: Sequence[BufferSpec], param_paths: Sequence[str],
+                        device_ranks: Sequence[int]) -> str:
+    """One message naming every flagged (rank, bucket), its norm, the reference max and the bucket's
+    params, from the ``large_grads`` metric gathered to the host (arrays with a leading axis of one
+    entry per device, ``device_ranks`` the global rank of each)."""
+    buckets = checked_buckets(specs)
+    parts = []
+    for d, k in zip(*np.nonzero(report["flags"]), strict=True):
+        i, b = buckets[k]
+        names = [param_paths[specs[i].leaves[j]] for j in specs[i].layout.bucket_params(b)]
+        shown = ", ".join(f"params{n}" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        parts.append(f"rank {int(device_ranks[d])}: bucket #{b} of the {specs[i].key.grad_dtype}"
+                     f"{' expert' if specs[i].key.is_expert_parallel else ''} buffer, local grad norm "
+                     f"{float(report['norms'][d, k]):.4g} >= {LARGE_GRAD_THRESHOLD:g} x {float(report['max'][d]):.4g} "
+                     f"({shown})")
+    return (f"unexpectedly large local gradients before the data-parallel collective ({len(parts)} rank/bucket "
+            f"pairs): {'; '.join(parts[:10])}. The update was skipped; parameters and optimizer state are "
+            "unchanged.")

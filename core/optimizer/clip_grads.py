@@ -8,7 +8,9 @@ it live on several devices. Each element is counted once:
 * pipeline-split params on every stage, pipeline-replicated params (tied embeddings...) on
   stage 0 only (identical after finalize's pp all-reduce);
 * with the distributed optimizer each dp rank owns its shard of the reduced bucket, and the
-  squared norm is summed over every mesh axis;
+  squared norm is summed over every mesh axis; with several distributed-optimizer instances
+  every shard has one copy per instance and only instance 0's copy counts (the others have
+  weight 0);
 * without it every rank of a buffer's reduction group holds the same, bit-identical reduced
   bucket, so each counts it itself and the sum runs only over the other (model-parallel) axes,
   as Megatron all-reduces the norm over its model-parallel group only. For a data-parallel

@@ -5,6 +5,13 @@
   optax state for *its contiguous shard of every bucket* (shards ignore parameter boundaries),
   steps it with the reduce-scattered grad shard, and all-gathers the updated shard into the
   full bucket, which is unflattened back into the parameter tree;
+* partial distributed (``num_distributed_optimizer_instances`` = I > 1, Megatron's partial
+  DistOpt): the same, with the data-parallel group split into I instances of g = dp/I
+  contiguous ranks: rank r keeps shard ``r mod g`` of g per bucket (state per device 1/g
+  instead of 1/dp), the grad shard comes from a reduce-scatter inside the instance plus an
+  all-reduce across instances (``grad_sync``), and the updated shards are all-gathered inside
+  the instance. The I copies of a shard get bit-identical grads and so stay identical; the
+  global norm counts instance 0's copy only (the others are weighted by 0);
 * replicated (Megatron's default): the optimizer steps every parameter with its reduced
   gradient (Megatron's optimizer over ``param.main_grad``); the fp32 masters of non-fp32
   params and the optax state are per-leaf trees split like the parameters. Stepping flat
@@ -36,9 +43,14 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from core.distributed.collectives import all_gather
+from core.distributed.collectives import all_gather, group_index, group_size
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from core.distributed.grad_sync import axes_size, reduction_axes
+from core.distributed.grad_sync import (
+    check_for_large_grads,
+    distributed_optimizer_groups,
+    init_large_grad_tracker,
+    reduction_axes,
+)
 from core.distributed.param_and_grad_buffer import (
     BufferSpec,
     bucket_element_masks,
@@ -151,12 +163,16 @@ class DistributedOptimizer:
         return self.optimizer
 
     # -- shards ----------------------------------------------------------------------------
+    def _intra_groups(self, spec: BufferSpec) -> list[list[int]] | None:
+        """``axis_index_groups`` of the ranks sharing one copy of the state (None: the whole group)."""
+        return distributed_optimizer_groups(spec, self.ddp_config, self.state)[0]
+
     def _shard(self, bucket: jax.Array, spec: BufferSpec) -> jax.Array:
-        """This rank's shard of a full bucket."""
+        """This rank's shard of a full bucket (shard ``r mod g`` of g with several instances)."""
         axes = reduction_axes(spec, self.state)
-        n = axes_size(self.state, axes)
-        size = bucket.shape[0] // n
-        return lax.dynamic_slice_in_dim(bucket, lax.axis_index(axes) * size, size)
+        groups = self._intra_groups(spec)
+        size = bucket.shape[0] // group_size(axes, groups)
+        return lax.dynamic_slice_in_dim(bucket, group_index(axes, groups) * size, size)
 
     def _shards(self, per_bucket: Sequence[Buckets]) -> tuple[Buckets, ...]:
         return tuple(tuple(self._shard(b, s) for b in bs) for s, bs in zip(self.specs, per_bucket, strict=True))
@@ -167,14 +183,19 @@ class DistributedOptimizer:
     # -- pure API --------------------------------------------------------------------------
     def init(self, param_leaves: Sequence[jax.Array]) -> dict[str, Any]:
         """Optimizer state for this rank: fp32 masters of non-fp32 params (per leaf, or this rank's
-        bucket shards when distributed) and the optax state of the same values."""
+        bucket shards when distributed) and the optax state of the same values; with
+        ``check_for_large_grads`` also this rank's tracker of that check (``"large_grads"``)."""
         if self.sharded:
             shards = self._param_shards(param_leaves)
             master = tuple(s if spec.key.param_dtype != "float32" else ()
                            for spec, s in zip(self.specs, shards, strict=True))
-            return {"master": master, "inner": self._tx().init(shards)}
-        master = tuple(p.astype(jnp.float32) if p.dtype != jnp.float32 else () for p in param_leaves)
-        return {"master": master, "inner": self._tx().init(self._current_leaves(master, param_leaves))}
+            state = {"master": master, "inner": self._tx().init(shards)}
+        else:
+            master = tuple(p.astype(jnp.float32) if p.dtype != jnp.float32 else () for p in param_leaves)
+            state = {"master": master, "inner": self._tx().init(self._current_leaves(master, param_leaves))}
+        if self.ddp_config.check_for_large_grads:
+            state["large_grads"] = init_large_grad_tracker()
+        return state
 
     def _local_param_shapes(self) -> list[jax.ShapeDtypeStruct]:
         shapes = {i: jax.ShapeDtypeStruct(shape, jnp.dtype(spec.key.param_dtype))
@@ -196,16 +217,27 @@ class DistributedOptimizer:
         master = tuple(spec if _has_master(m) else () for m, spec in zip(shape["master"], param_specs, strict=True))
         inner = optax.tree_utils.tree_map_params(self._tx(), lambda _, spec: spec, shape["inner"], list(param_specs),
                                                  transform_non_params=lambda _: P())
-        return {"master": master, "inner": inner}
+        specs = {"master": master, "inner": inner}
+        if "large_grads" in shape:  # every rank's own tracker
+            specs["large_grads"] = device_local
+        return specs
 
     def state_to_local(self, opt_state: Any) -> Any:
         """Inside ``shard_map``: the state as :meth:`step` takes it (drops the per-device axis of a
-        distributed state)."""
-        return jax.tree.map(lambda x: x[0], opt_state) if self.sharded else opt_state
+        distributed state, and of the ``large_grads`` tracker)."""
+        if self.sharded:
+            return jax.tree.map(lambda x: x[0], opt_state)
+        if "large_grads" in opt_state:
+            return {**opt_state, "large_grads": jax.tree.map(lambda x: x[0], opt_state["large_grads"])}
+        return opt_state
 
     def state_from_local(self, opt_state: Any) -> Any:
         """Inverse of :meth:`state_to_local`."""
-        return jax.tree.map(lambda x: x[None], opt_state) if self.sharded else opt_state
+        if self.sharded:
+            return jax.tree.map(lambda x: x[None], opt_state)
+        if "large_grads" in opt_state:
+            return {**opt_state, "large_grads": jax.tree.map(lambda x: x[None], opt_state["large_grads"])}
+        return opt_state
 
     @staticmethod
     def _current_leaves(master: Sequence[Any], param_leaves: Sequence[jax.Array]) -> list[jax.Array]:
@@ -215,9 +247,10 @@ class DistributedOptimizer:
         """Full buckets from this rank's updated shards: one all-gather per bucket with
         ``overlap_param_gather`` (each can overlap with compute on its own), else one per buffer."""
         axes = reduction_axes(spec, self.state)
+        groups = self._intra_groups(spec)  # inside the instance with several instances
         if self.ddp_config.overlap_param_gather or len(shards) == 1:
-            return tuple(all_gather(s, axes) for s in shards)
-        return _gather_all_buckets_at_once(shards, axes)
+            return tuple(all_gather(s, axes, axis_index_groups=groups) for s in shards)
+        return _gather_all_buckets_at_once(shards, axes, groups)
 
     def _norm_axes(self, spec: BufferSpec) -> tuple[str, ...]:
         """Mesh axes a buffer's squared-norm contributions are summed over: every axis when
@@ -238,9 +271,14 @@ class DistributedOptimizer:
         sumsq: dict[tuple[str, ...], list[jax.Array]] = {}
 
         def add(spec, g, tp_split, pp_split):
-            w = bucket_norm_weights(tp_split, pp_split, self.state)
+            w = bucket_norm_weights(tp_split, pp_split, self.state).astype(jnp.float32)
             g32 = g.astype(jnp.float32)
-            sumsq.setdefault(self._norm_axes(spec), []).append(jnp.sum(w.astype(jnp.float32) * (g32 * g32)))
+            if self.sharded and self._intra_groups(spec) is not None:
+                # Several instances hold copies of this shard: count instance 0's (a 0 weight
+                # multiplies, so a NaN in another copy still shows).
+                axes = reduction_axes(spec, self.state)
+                w = w * (lax.axis_index(axes) < group_size(axes, self._intra_groups(spec))).astype(jnp.float32)
+            sumsq.setdefault(self._norm_axes(spec), []).append(jnp.sum(w * (g32 * g32)))
 
         if self.sharded:
             for spec, shards, tp_m, pp_m in zip(self.specs, grads, masks["tp_split"], masks["pp_split"], strict=True):
@@ -254,7 +292,7 @@ class DistributedOptimizer:
 
     def step(
         self, opt_state: dict[str, Any], reduced: Sequence[Any], param_leaves: Sequence[jax.Array],
-        masks: dict[str, Any], skip_nonfinite: bool = False,
+        masks: dict[str, Any], skip_nonfinite: bool = False, skip: jax.Array | None = None,
     ) -> tuple[dict[int, jax.Array], dict[str, Any], jax.Array, jax.Array]:
         """Clip, step, gather. ``reduced`` is what ``finalize_model_grads`` returns (every leaf's
         reduced gradient, or this rank's bucket shards when distributed), ``masks`` the
@@ -262,12 +300,13 @@ class DistributedOptimizer:
 
         With ``skip_nonfinite`` a non-finite global grad norm (a NaN or Inf in any rank's
         gradients; the norm is the same on every rank) leaves params and state unchanged and
-        ``skipped`` is true. The update is selected in a ``lax.cond``: a ``jnp.where`` between
-        old and new values makes XLA recompute the new moments inside the parameter update and
-        copy the old ones first. The conditional costs one copy of the updated params and state
-        into their donated buffers (within noise of no check in the benchmark step). The
-        clipping factor is applied inside the update, where XLA fuses it into the optimizer's
-        loops instead of writing clipped copies of the gradients.
+        ``skipped`` is true; so does a true ``skip`` (a scalar, the same on every rank: the
+        ``check_for_large_grads`` verdict of :meth:`check_large_grads`). The update is selected
+        in a ``lax.cond``: a ``jnp.where`` between old and new values makes XLA recompute the new
+        moments inside the parameter update and copy the old ones first. The conditional costs
+        one copy of the updated params and state into their donated buffers (within noise of no
+        check in the benchmark step). The clipping factor is applied inside the update, where XLA
+        fuses it into the optimizer's loops instead of writing clipped copies of the gradients.
         """
         if self.sharded:
             current = self._param_shards(param_leaves)
@@ -278,7 +317,8 @@ class DistributedOptimizer:
             current = self._current_leaves(opt_state["master"], param_leaves)
             decay = list(self.flags.decay)
         grad_norm = self.grad_norm(reduced, masks)
-        skip = ~jnp.isfinite(grad_norm) if skip_nonfinite else None
+        if skip_nonfinite:
+            skip = ~jnp.isfinite(grad_norm) if skip is None else skip | ~jnp.isfinite(grad_norm)
         coef = clip_coefficient(grad_norm, self.clip_grad) if self.clip_grad > 0 else jnp.ones((), jnp.float32)
 
         def update(operands):
@@ -294,21 +334,33 @@ class DistributedOptimizer:
             new_values, inner = lax.cond(skip, lambda ops: (ops[3], ops[2]), update, operands)
         master = tuple(v if _has_master(m) else () for m, v in zip(opt_state["master"], new_values, strict=True))
         skipped = jnp.zeros((), bool) if skip is None else skip
+        new_state = {**opt_state, "master": master, "inner": inner}  # keeps the large_grads tracker
         if not self.sharded:
             new_leaves = {i: v.astype(p.dtype) for i, (v, p) in enumerate(zip(new_values, param_leaves, strict=True))}
-            return new_leaves, {"master": master, "inner": inner}, grad_norm, skipped
+            return new_leaves, new_state, grad_norm, skipped
         new_leaves: dict[int, jax.Array] = {}
         for spec, shards in zip(self.specs, new_values, strict=True):
             # Gather in the param dtype, as Megatron gathers param_data (bf16).
             shards = tuple(s.astype(jnp.dtype(spec.key.param_dtype)) for s in shards)
             new_leaves.update(unflatten_from_buckets(self._gather_buckets(shards, spec), spec))
-        return new_leaves, {"master": master, "inner": inner}, grad_norm, skipped
+        return new_leaves, new_state, grad_norm, skipped
+
+    def check_large_grads(self, opt_state: dict[str, Any], grad_leaves: Sequence[jax.Array]
+                          ) -> tuple[dict[str, Any], dict[str, jax.Array], jax.Array]:
+        """``check_for_large_grads`` on this rank's local grads before any collective (see
+        :func:`core.distributed.grad_sync.check_for_large_grads`): returns the state with the
+        updated tracker, this rank's report (``flags``/``norms`` per bucket, ``max``) and the skip
+        verdict for :meth:`step` (any bucket on any rank flagged)."""
+        tracker, report, any_large = check_for_large_grads(opt_state["large_grads"], grad_leaves, self.specs,
+                                                           self.state)
+        return {**opt_state, "large_grads": tracker}, report, any_large
 
 
-def _gather_all_buckets_at_once(shards: Buckets, axes: tuple[str, ...]) -> Buckets:
+def _gather_all_buckets_at_once(shards: Buckets, axes: tuple[str, ...],
+                                groups: list[list[int]] | None = None) -> Buckets:
     """One all-gather for a whole buffer: concatenate the bucket shards, gather, re-split."""
     sizes = [s.shape[0] for s in shards]
-    gathered = all_gather(jnp.concatenate(shards), axes).reshape(-1, sum(sizes))  # [dp, sum of shards]
+    gathered = all_gather(jnp.concatenate(shards), axes, axis_index_groups=groups).reshape(-1, sum(sizes))
     offsets = np.cumsum([0, *sizes])
     return tuple(gathered[:, a:b].reshape(-1) for a, b in zip(offsets[:-1], offsets[1:], strict=True))
 
