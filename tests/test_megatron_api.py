@@ -207,8 +207,11 @@ def test_forward_only_and_mean_loss_through_the_schedule():
     assert ddp.num_tokens is None
     want = [float(mse_loss(module)(params, (hx, hy))) for hx, hy in halves]
     np.testing.assert_allclose([float(d["mse"]) for d in losses], want, rtol=1e-5)
+    calls = []
+    ddp.finalize_model_grads_func = lambda chunks, num_tokens: calls.append(num_tokens) or finalize_model_grads(
+        chunks, num_tokens)  # Megatron's config.finalize_model_grads_func, called by the schedule
     fb(forward_step_func=forward_step_func, data_iterator=data(), model=[ddp], num_microbatches=2)
-    finalize_model_grads([ddp])
+    assert calls == [None]  # a mean loss: no token count
     new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
     grads = jax.grad(lambda p: sum(mse_loss(module)(p, h) for h in halves) / 2)(params)
     want_params = jax.tree.map(lambda p, g: p - SGD.lr * g, params, grads)

@@ -82,6 +82,10 @@ class DistributedDataParallel:
         self.optimizer_spec = optimizer if optimizer is not None else OptimizerConfig()
         self.learning_rate = learning_rate
         self.disable_bucketing = disable_bucketing
+        self.finalize_model_grads_func: Callable | None = None
+        """Megatron's ``config.finalize_model_grads_func``: when set, the schedules call it as
+        ``finalize_model_grads_func([model], num_tokens)`` after the backward (``num_tokens`` the
+        global token count of a per-token loss, else None), as Megatron's schedules do."""
         self.num_tokens = None
         """Global token count of the last :meth:`run_forward_backward` with a per-token loss."""
         self.params = None
@@ -617,6 +621,8 @@ class DistributedDataParallel:
             self._reduced = None
             if self._is_last_microbatch:
                 self.start_grad_sync()
+            if self.finalize_model_grads_func is not None:
+                self.finalize_model_grads_func([self], self.num_tokens)
         return losses
 
     def shard_batch(self, local_batch: Any) -> Any:
