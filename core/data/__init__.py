@@ -1,6 +1,17 @@
-"""Data pipeline for pretraining: a byte tokenizer, an offline text corpus, fixed-length
-next-token datasets and a deterministic, resumable data-parallel sampler (numpy only)."""
+"""Data pipeline for pretraining (numpy only).
 
+* ``text_dataset``: a byte tokenizer, an offline text corpus, fixed-length next-token datasets
+  and a deterministic, resumable data-parallel sampler (what ``launch/pretrain.py`` uses).
+* Megatron-LM's data layer (not yet wired into ``launch/pretrain.py``): ``indexed_dataset``
+  (the mmap ``.bin``/``.idx`` format), ``gpt_dataset`` (``GPTDataset``, ``--split``),
+  ``blended_dataset`` (``--data-path`` weights), ``dataset_builder`` (train/valid/test from
+  both) and ``tokenizers`` (``--tokenizer-type``); ``tools/preprocess_data.py`` writes datasets.
+"""
+
+from core.data.blended_dataset import BlendedDataset, parse_data_path
+from core.data.dataset_builder import build_gpt_datasets
+from core.data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_on_rank0_then_share, get_split_document_ids
+from core.data.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from core.data.text_dataset import (
     ByteTokenizer,
     DataParallelSampler,
@@ -10,13 +21,26 @@ from core.data.text_dataset import (
     load_corpus,
     unigram_entropy,
 )
+from core.data.tokenizers import MegatronTokenizer, build_tokenizer
 
 __all__ = [
+    "BlendedDataset",
     "ByteTokenizer",
+    "DType",
     "DataParallelSampler",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "MegatronTokenizer",
     "TextDataset",
+    "build_gpt_datasets",
+    "build_on_rank0_then_share",
+    "build_tokenizer",
     "build_train_valid_datasets",
     "get_batch",
+    "get_split_document_ids",
     "load_corpus",
+    "parse_data_path",
     "unigram_entropy",
 ]
