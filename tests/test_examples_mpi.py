@@ -1,7 +1,6 @@
 """examples/xlstm_style_fsdp.py across 8 real processes (one device each): FSDP over dp=2,
 TPDense over tp=2, GPipe over pp=2, and the run equals one device (fp32 rtol=atol=1e-5)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -15,15 +14,14 @@ pytestmark = pytest.mark.mpi(min_size=8)
 ROOT = Path(__file__).resolve().parents[1]
 
 
+sys.path.insert(0, str(ROOT / "examples"))  # examples/ is not a package
+
+
 def _load_example():
-    """examples/xlstm_style_fsdp.py as a module (examples/ is not a package)."""
-    name = "xlstm_style_fsdp"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """examples/xlstm_style_fsdp.py as a module."""
+    import xlstm_style_fsdp
+
+    return xlstm_style_fsdp
 
 
 def test_xlstm_style_example_equals_single_device():

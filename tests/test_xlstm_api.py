@@ -1,7 +1,6 @@
 """xlstm_jax / JAX-tutorial helpers (core/distributed/array_utils.py, single_gpu.py) and the
 example examples/xlstm_style_fsdp.py, which must equal one device in every layout."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,15 +25,14 @@ from core.distributed.single_gpu import (
 ROOT = Path(__file__).resolve().parents[1]
 
 
+sys.path.insert(0, str(ROOT / "examples"))  # examples/ is not a package
+
+
 def _load_example():
-    """examples/xlstm_style_fsdp.py as a module (examples/ is not a package)."""
-    name = "xlstm_style_fsdp"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """examples/xlstm_style_fsdp.py as a module."""
+    import xlstm_style_fsdp
+
+    return xlstm_style_fsdp
 
 
 def _per_device(state, fn, *args, in_specs=()):

@@ -396,19 +396,26 @@ class DistributedDataParallel:
 
         def fn(params, buffers, mb):
             loss, g = jax.value_and_grad(lambda p: loss_fn(p, mb) * scale)(params)
-            buffers = self._to_local(buffers)
-            leaves = jax.tree.leaves(g)
-            new = tuple(tuple(b + a for b, a in zip(bs, flatten_to_buckets(leaves, s), strict=True))
-                        for s, bs in zip(meta["specs"], buffers, strict=True))
-            return self._from_local(new), lax.pmean(loss, self.state.data_parallel_with_context_axis_name)
+            return self._add_to_buffers(buffers, g), lax.pmean(loss, self.state.data_parallel_with_context_axis_name)
 
         self._grad_buffers, loss = self._program(("backward", loss_fn, scale), lambda: jax.jit(self._shard_map(
             fn, (meta["param_specs"], self.local_spec, self.batch_spec), (self.local_spec, P()))))(
             params, self._grad_buffers, microbatch)
+        self._after_backward()
+        return loss
+
+    def _add_to_buffers(self, buffers: Any, grads: Any) -> Any:
+        """Inside ``shard_map``: the device-local grad buffers plus ``grads`` (a params-shaped tree)."""
+        leaves = jax.tree.leaves(grads)
+        new = tuple(tuple(b + a.astype(b.dtype) for b, a in zip(bs, flatten_to_buckets(leaves, s), strict=True))
+                    for s, bs in zip(self._require_init()["specs"], self._to_local(buffers), strict=True))
+        return self._from_local(new)
+
+    def _after_backward(self) -> None:
+        """Megatron's hooks after grads reached the buffers: start the sync unless in ``no_sync``."""
         self._reduced = None  # a finished sync no longer covers the buffers
         if self._is_last_microbatch:
             self.start_grad_sync()
-        return loss
 
     def scale_gradients(self, scaling_factor: float | jax.Array) -> None:
         """Multiply the gradients by ``scaling_factor``: the accumulating buffers and, once the
@@ -603,11 +610,7 @@ class DistributedDataParallel:
             ntok = jnp.zeros(()) if ntok is None else lax.psum(jnp.asarray(ntok, jnp.float32), dp_axes)
             if forward_only:
                 return buffers, losses, ntok
-            buffers = self._to_local(buffers)
-            new = tuple(tuple(b + a.astype(b.dtype) for b, a in zip(bs, flatten_to_buckets(jax.tree.leaves(grads), s),
-                                                                  strict=True))
-                        for s, bs in zip(meta["specs"], buffers, strict=True))
-            return self._from_local(new), losses, ntok
+            return self._add_to_buffers(buffers, grads), losses, ntok
 
         mb_specs = tuple(jax.tree.map(lambda _: self.batch_spec, mb) for mb in microbatches)
         buffers = self._grad_buffers if not forward_only else ()
@@ -618,9 +621,7 @@ class DistributedDataParallel:
         self.num_tokens = ntok if traced.get("per_token") else None
         if not forward_only:
             self._grad_buffers = new_buffers
-            self._reduced = None
-            if self._is_last_microbatch:
-                self.start_grad_sync()
+            self._after_backward()
             if self.finalize_model_grads_func is not None:
                 self.finalize_model_grads_func([self], self.num_tokens)
         return losses

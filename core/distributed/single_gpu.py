@@ -71,6 +71,16 @@ def _minibatch_keys(rng: jax.Array, num_minibatches: int) -> jax.Array:
     return jax.random.split(rng, num_minibatches)
 
 
+def _minibatch_grads(state: TrainState, batch: Batch, rngs: jax.Array, loss_fn: LossFn, minibatch_size: int,
+                     minibatch_idx: jax.Array | int) -> tuple[PyTree, Metrics]:
+    """Gradients and metrics of minibatch ``minibatch_idx`` (dynamic slice: the index may be traced)."""
+    minibatch = jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch_idx * minibatch_size, minibatch_size, axis=0), batch)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (_, metrics), grads = grad_fn(state.params, state.apply_fn, minibatch, rngs[minibatch_idx])
+    return grads, metrics
+
+
 def accumulate_gradients_loop(
     state: TrainState,
     batch: Batch,
@@ -90,18 +100,13 @@ def accumulate_gradients_loop(
     Returns:
         ``(grads, metrics)``: gradients averaged over the minibatches, metrics summed.
     """
-    batch_size = batch.inputs.shape[0]
-    minibatch_size = batch_size // num_minibatches
+    minibatch_size = batch.inputs.shape[0] // num_minibatches
     rngs = _minibatch_keys(rng, num_minibatches)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     grads = None
     metrics = None
     for minibatch_idx in range(num_minibatches):
         with jax.named_scope(f"minibatch_{minibatch_idx}"):
-            start = minibatch_idx * minibatch_size
-            end = start + minibatch_size
-            minibatch = jax.tree.map(lambda x: x[start:end], batch)  # noqa: B023 (called at once)
-            (_, step_metrics), step_grads = grad_fn(state.params, state.apply_fn, minibatch, rngs[minibatch_idx])
+            step_grads, step_metrics = _minibatch_grads(state, batch, rngs, loss_fn, minibatch_size, minibatch_idx)
             if grads is None:
                 grads, metrics = step_grads, step_metrics
             else:
@@ -133,19 +138,11 @@ def accumulate_gradients_scan(
     Returns:
         ``(grads, metrics)``: gradients averaged over the minibatches, metrics summed.
     """
-    batch_size = batch.inputs.shape[0]
-    minibatch_size = batch_size // num_minibatches
+    minibatch_size = batch.inputs.shape[0] // num_minibatches
     rngs = _minibatch_keys(rng, num_minibatches)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def _minibatch_step(minibatch_idx: jax.Array | int) -> tuple[PyTree, Metrics]:
-        """Gradients and metrics of one minibatch (dynamic slice: the index may be traced)."""
-        minibatch = jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, minibatch_idx * minibatch_size, minibatch_size, axis=0),
-            batch,
-        )
-        (_, step_metrics), step_grads = grad_fn(state.params, state.apply_fn, minibatch, rngs[minibatch_idx])
-        return step_grads, step_metrics
+        return _minibatch_grads(state, batch, rngs, loss_fn, minibatch_size, minibatch_idx)
 
     def _scan_step(carry: tuple[PyTree, Metrics], minibatch_idx: jax.Array) -> tuple[tuple[PyTree, Metrics], None]:
         step_grads, step_metrics = _minibatch_step(minibatch_idx)

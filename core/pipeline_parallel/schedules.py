@@ -53,10 +53,6 @@ def _ddp_model(model: Any) -> Any:
     return ddp[0]
 
 
-def _run_on_ddp(schedule: Callable, model: Any, **kwargs: Any) -> Any:
-    return _ddp_model(model).run_forward_backward(schedule, **kwargs)
-
-
 def _take(data_iterator: Iterator, num_microbatches: int) -> Any:
     items = [next(data_iterator) for _ in range(num_microbatches)]
     return jax.tree.map(lambda *a: jnp.stack(a), *items)
@@ -75,9 +71,10 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     so activation memory is one microbatch's whatever ``num_microbatches`` (the point of
     gradient accumulation).
     """
-    if _ddp_model(model) is not None:
-        return _run_on_ddp(forward_backward_no_pipelining, model, forward_step_func=forward_step_func,
-                           data_iterator=data_iterator, num_microbatches=num_microbatches, forward_only=forward_only)
+    if (ddp := _ddp_model(model)) is not None:
+        return ddp.run_forward_backward(forward_backward_no_pipelining, forward_step_func=forward_step_func,
+                                        data_iterator=data_iterator, num_microbatches=num_microbatches,
+                                        forward_only=forward_only)
     del seq_length, micro_batch_size  # shapes come from the data in JAX
     stage_fn, params = model
     data = _take(data_iterator, num_microbatches)
@@ -119,10 +116,11 @@ def forward_backward_pipelining_without_interleaving(*, forward_step_func: Calla
     (:mod:`core.pipeline_parallel.table_driven`). Call inside ``shard_map``; ``model =
     (stage_fn, stage_params)`` with homogeneous stages (``y.shape == x.shape``).
     """
-    if _ddp_model(model) is not None:
-        return _run_on_ddp(forward_backward_pipelining_without_interleaving, model,
-                           forward_step_func=forward_step_func, data_iterator=data_iterator,
-                           num_microbatches=num_microbatches, forward_only=forward_only, axis_name=axis_name)
+    if (ddp := _ddp_model(model)) is not None:
+        return ddp.run_forward_backward(forward_backward_pipelining_without_interleaving,
+                                        forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                        num_microbatches=num_microbatches, forward_only=forward_only,
+                                        axis_name=axis_name)
     del seq_length, micro_batch_size
     stage_fn, params = model
     losses, grads, ntok = execute_schedule(
@@ -145,15 +143,13 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func: Callable
     """
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
-    if _ddp_model(model) is not None:
-        return _run_on_ddp(forward_backward_pipelining_with_interleaving, model,
-                           forward_step_func=forward_step_func, data_iterator=data_iterator,
-                           num_microbatches=num_microbatches, forward_only=forward_only,
-                           microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                           axis_name=axis_name)
+    if (ddp := _ddp_model(model)) is not None:
+        return ddp.run_forward_backward(forward_backward_pipelining_with_interleaving,
+                                        forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                        num_microbatches=num_microbatches, forward_only=forward_only,
+                                        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                        axis_name=axis_name)
     del seq_length, micro_batch_size
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
     chunks = isinstance(model, list)
     stage_fn = model[0][0] if chunks else model[0]
     params = jax.tree.map(lambda *a: jnp.stack(a), *[p for _, p in model]) if chunks else model[1]
