@@ -12,7 +12,11 @@ class GPTConfig:
     """Hyper-parameters of :class:`~core.models.gpt.GPTModel`."""
 
     vocab_size: int = 256
-    """Vocabulary size (must divide by the tensor-parallel size)."""
+    """The tokenizer's vocabulary: token ids the loss may predict."""
+    padded_vocab_size: int | None = None
+    """Rows of the embedding and output layer (Megatron pads to a multiple of
+    ``make_vocab_size_divisible_by x tp``); None means ``vocab_size``. Logits of the padding rows
+    are masked: they never win and carry no loss, so padding does not change the loss."""
     num_layers: int = 4
     """Transformer layers (must divide by pipeline x virtual-pipeline size)."""
     hidden_size: int = 128
@@ -23,10 +27,25 @@ class GPTConfig:
     """MLP width; None means ``4 * hidden_size``."""
     seq_length: int = 128
     """Tokens per sample (must divide by tp under sequence parallelism)."""
+    num_query_groups: int | None = None
+    """Grouped-query attention: K/V head groups (None = one per head, plain multi-head
+    attention). Must divide ``num_attention_heads`` and be divisible by tp."""
     position_embedding_type: str = "learned_absolute"
     """``"learned_absolute"`` (a ``[seq_length, hidden]`` table) or ``"rope"`` (rotary on q and k)."""
     rotary_base: float = 10000.0
     """Base of the rotary frequencies."""
+    rotary_percent: float = 1.0
+    """Share of each head's dims that rotary rotates (the rest pass unrotated), in (0, 1]."""
+    normalization: str = "LayerNorm"
+    """``"LayerNorm"`` or ``"RMSNorm"`` (every norm of the model)."""
+    swiglu: bool = False
+    """Gated MLP ``fc2(silu(x W_gate) * (x W_up))`` (Megatron's ``--swiglu``)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (False: Megatron's ``--disable-bias-linear``)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (training batches only)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embedding output and on each block's output before the residual add."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output layer to the word embedding (Megatron's default)."""
     sequence_parallel: bool = False
@@ -41,7 +60,7 @@ class GPTConfig:
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init."""
     layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon."""
+    """Epsilon of every LayerNorm / RMSNorm."""
 
     @property
     def ffn_size(self) -> int:
