@@ -77,3 +77,13 @@ class FusedLayerNorm(nn.LayerNorm):
         scale = self.param("scale", self.scale_init, (h,), self.param_dtype)
         bias = self.param("bias", self.bias_init, (h,), self.param_dtype)
         return fused_layer_norm(x, scale, bias, self.epsilon)
+
+
+class FusedRMSNorm(nn.RMSNorm):
+    """``flax.linen.RMSNorm`` (same fields and ``scale`` parameter): ``x / sqrt(mean(x^2) + eps) * scale``
+    over the last dim."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
+        """Normalise ``x``."""
+        return super().__call__(x, mask=mask)
