@@ -64,7 +64,9 @@ def test_help_lists_megatron_flags():
                  "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--min-lr",
                  "--lr-warmup-iters", "--lr-decay-style", "--weight-decay", "--clip-grad", "--seed", "--bf16",
                  "--data-path", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters",
-                 "--log-interval", "--metrics-file"]:
+                 "--log-interval", "--metrics-file", "--normalization", "--swiglu", "--group-query-attention",
+                 "--num-query-groups", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
+                 "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by"]:
         assert flag in out
 
 
@@ -75,7 +77,9 @@ def test_help_lists_megatron_flags():
     (["--num-attention-heads", "3", "--hidden-size", "96"], "num-attention-heads 3 is not divisible by "
                                                            "tensor-model-parallel-size 2"),
     (["--num-layers", "3"], "num-layers 3 is not divisible by pipeline-model-parallel-size 2"),
-], ids=["world", "batch", "data", "heads", "layers"])
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be >= 1, got 0"),
+    (["--lr", "-1e-3"], "--lr must be >= 0, got -0.001"),
+], ids=["world", "batch", "data", "heads", "layers", "ffn", "lr"])
 def test_bad_input_one_line_nonzero_exit_fast(flags, message):
     start = time.monotonic()
     result = _run(8, flags, timeout=120)

@@ -46,7 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 x hidden)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="base of the rotary frequencies")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dims that rotary rotates")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")
+    g.add_argument("--swiglu", action="store_true", help="gated MLP: fc2(silu(x W_gate) * x W_up)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (GQA)")
+    g.add_argument("--num-query-groups", type=int, default=1,
+                   help="K/V head groups with --group-query-attention (tp must divide it)")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout on the attention probabilities (Megatron's default is 0.1)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout on the embedding and block outputs (Megatron's default is 0.1)")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this x tensor-model-parallel-size")
     g.add_argument("--recompute-activations", action="store_true", help="recompute each layer in the backward")
     g.add_argument("--scan-layers", action="store_true",
                    help="run each pipeline chunk's layers as a rolled lax.scan: compile time independent of depth "
@@ -136,6 +152,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     for name in positive:
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    _validate_model_values(args)
     if world_size % (tp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
                             f"pipeline-model-parallel-size {pp} = {tp * pp}")
@@ -161,6 +178,38 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
 
 
+def _validate_model_values(args: argparse.Namespace) -> None:
+    """Values no layout can make work (Megatron would train with some of them silently)."""
+    checks = [
+        (args.ffn_hidden_size is None or args.ffn_hidden_size >= 1,
+         f"--ffn-hidden-size must be >= 1, got {args.ffn_hidden_size}"),
+        (args.lr >= 0, f"--lr must be >= 0, got {args.lr}"),
+        (args.min_lr >= 0, f"--min-lr must be >= 0, got {args.min_lr}"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+        (args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}"),
+        (0.0 <= args.attention_dropout < 1.0, f"--attention-dropout must be in [0, 1), got {args.attention_dropout}"),
+        (0.0 <= args.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}"),
+        (0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}"),
+        (args.rotary_base > 0, f"--rotary-base must be > 0, got {args.rotary_base}"),
+        (args.norm_epsilon > 0, f"--norm-epsilon must be > 0, got {args.norm_epsilon}"),
+        (args.init_method_std > 0, f"--init-method-std must be > 0, got {args.init_method_std}"),
+        (args.make_vocab_size_divisible_by >= 1,
+         f"--make-vocab-size-divisible-by must be >= 1, got {args.make_vocab_size_divisible_by}"),
+        (not args.group_query_attention or args.num_query_groups >= 1,
+         f"--num-query-groups must be >= 1, got {args.num_query_groups}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ArgumentError(message)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
+    """Megatron's ``_vocab_size_with_padding``: the vocabulary rounded up to a multiple of
+    ``divisible_by x tp``, so every tp rank holds an equal, aligned share of the rows."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
 def layout_fits(args: argparse.Namespace, world_size: int) -> bool:
     """Whether :func:`validate_args` accepts these flags at ``world_size`` devices."""
     try:
@@ -174,10 +223,17 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe."""
     from core.models.gpt import GPTConfig
 
+    tp = args.tensor_model_parallel_size or 1
     return GPTConfig(
-        vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
+        vocab_size=vocab_size, padded_vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
         seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel,
         recompute_granularity="full" if args.recompute_activations else None, bf16=args.bf16,

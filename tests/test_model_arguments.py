@@ -1,0 +1,62 @@
+"""The model flags of ``launch/pretrain.py``: Megatron's names map onto ``GPTConfig``, the
+vocabulary is padded as Megatron pads it, and values no layout can use are refused in one line."""
+
+import pytest
+
+from core.training.arguments import ArgumentError, model_config, padded_vocab_size, parse_args, validate_args
+
+LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--disable-bias-linear", "--position-embedding-type", "rope", "--rotary-base", "500000",
+         "--rotary-percent", "0.5", "--untie-embeddings-and-output-weights", "--init-method-std", "0.01",
+         "--norm-epsilon", "1e-6", "--attention-dropout", "0.1", "--hidden-dropout", "0.2",
+         "--make-vocab-size-divisible-by", "64", "--tensor-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "1"]
+
+
+def test_megatron_flags_map_onto_the_config():
+    config = model_config(parse_args(LLAMA), vocab_size=257)
+    assert (config.normalization, config.swiglu, config.num_query_groups, config.add_bias_linear) == \
+        ("RMSNorm", True, 2, False)
+    assert (config.position_embedding_type, config.rotary_base, config.rotary_percent) == ("rope", 500000.0, 0.5)
+    assert not config.share_embeddings_and_output_weights
+    assert (config.init_method_std, config.layernorm_epsilon) == (0.01, 1e-6)
+    assert (config.attention_dropout, config.hidden_dropout) == (0.1, 0.2)
+    assert (config.vocab_size, config.padded_vocab_size) == (257, 384)  # a multiple of 64 x tp 2
+
+
+def test_defaults_keep_the_plain_gpt():
+    config = model_config(parse_args(["--tensor-model-parallel-size", "2"]), vocab_size=256)
+    assert (config.normalization, config.swiglu, config.num_query_groups, config.add_bias_linear) == \
+        ("LayerNorm", False, None, True)
+    assert (config.attention_dropout, config.hidden_dropout, config.padded_vocab_size) == (0.0, 0.0, 256)
+
+
+@pytest.mark.parametrize("vocab,divisible_by,tp,padded", [
+    (256, 128, 1, 256), (257, 128, 1, 384), (257, 128, 2, 512), (50257, 128, 8, 51200), (7, 1, 1, 7),
+])
+def test_vocabulary_padding_as_megatron(vocab, divisible_by, tp, padded):
+    assert padded_vocab_size(vocab, divisible_by, tp) == padded
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be >= 1, got 0"),
+    (["--ffn-hidden-size", "-4"], "--ffn-hidden-size must be >= 1, got -4"),
+    (["--lr", "-0.1"], "--lr must be >= 0, got -0.1"),
+    (["--min-lr", "-1"], "--min-lr must be >= 0, got -1.0"),
+    (["--attention-dropout", "1.0"], "--attention-dropout must be in [0, 1), got 1.0"),
+    (["--hidden-dropout", "-0.1"], "--hidden-dropout must be in [0, 1), got -0.1"),
+    (["--rotary-percent", "0"], "--rotary-percent must be in (0, 1], got 0.0"),
+    (["--init-method-std", "0"], "--init-method-std must be > 0, got 0.0"),
+    (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by must be >= 1, got 0"),
+    (["--group-query-attention", "--num-query-groups", "3"], "num-attention-heads 4 is not divisible by "
+                                                             "num-query-groups 3"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
+     "num-query-groups 1 is not divisible by tensor-model-parallel-size 2"),
+], ids=["ffn0", "ffn-neg", "lr", "min-lr", "attn-dropout", "hidden-dropout", "rotary", "std", "divisible", "gqa",
+        "gqa-tp"])
+def test_values_that_cannot_work_are_refused(flags, message):
+    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *flags])
+    with pytest.raises(ArgumentError) as err:
+        validate_args(args, 8)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
