@@ -23,9 +23,18 @@ def layout_losses(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple
     return [trainer.step()["loss"] for _ in range(iters)]
 
 
-def reference_losses(iters: int = 10) -> list[float]:
+def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:
     """The same run on one device of this process."""
-    return layout_losses(1, 1, [jax.local_devices()[0]], iters)
+    return layout_losses(1, 1, [jax.local_devices()[0]], iters, extra)
+
+
+# A Llama-class model with Megatron's flags: RMSNorm, SwiGLU, grouped-query attention (4 heads in
+# 2 groups, so tp=2 splits the groups), rotary positions, untied output layer, no biases, and a
+# vocabulary padded to a multiple of 96 x tp (288 rows at tp=1, 384 at tp=2: padding differs by
+# layout and must not change the loss).
+LLAMA = ("--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "--num-query-groups", "2",
+         "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--ffn-hidden-size", "160", "--make-vocab-size-divisible-by", "96")
 
 
 # (tp, pp, extra flags): every layout of 8 devices the issue names, with and without the

@@ -4,7 +4,7 @@ of 10 iterations equals the single-device run (relative 1e-4, fp32) for every la
 import jax
 import numpy as np
 import pytest
-from pretrain_harness import LAYOUTS, layout_losses, reference_losses
+from pretrain_harness import LAYOUTS, LLAMA, layout_losses, reference_losses
 
 
 @pytest.fixture(scope="module")
@@ -15,5 +15,18 @@ def reference():
 @pytest.mark.parametrize("tp,pp,extra", LAYOUTS, ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
 def test_loss_trajectory_matches_single_device(reference, tp, pp, extra):
     losses = layout_losses(tp, pp, jax.devices(), extra=extra)
+    assert reference[-1] < reference[0] - 0.5  # it learns
+    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return reference_losses(extra=LLAMA)
+
+
+@pytest.mark.parametrize("extra", [(), ("--use-distributed-optimizer", "--sequence-parallel")], ids=["plain", "do-sp"])
+def test_llama_loss_trajectory_matches_single_device(llama_reference, extra):
+    reference = llama_reference
+    losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + extra)
     assert reference[-1] < reference[0] - 0.5  # it learns
     np.testing.assert_allclose(losses, reference, rtol=1e-4)

@@ -4,7 +4,7 @@ trajectory of 10 iterations equals the one-device run (relative 1e-4, fp32)."""
 import jax
 import numpy as np
 import pytest
-from pretrain_harness import LAYOUTS, layout_losses, reference_losses
+from pretrain_harness import LAYOUTS, LLAMA, layout_losses, reference_losses
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -19,4 +19,10 @@ def reference():
                          ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
 def test_loss_trajectory_matches_single_device(reference, tp, pp, extra):
     losses = layout_losses(tp, pp, jax.devices(), extra=extra)
+    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+
+
+def test_llama_loss_trajectory_matches_single_device():
+    reference = reference_losses(extra=LLAMA)
+    losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + ("--sequence-parallel",))
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
