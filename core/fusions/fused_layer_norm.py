@@ -77,7 +77,8 @@ class FusedLayerNorm(nn.LayerNorm):
         """Normalise ``x``."""
         plain = (x.dtype != jnp.float32 or self.param_dtype != jnp.float32 or self.dtype not in (None, jnp.float32)
                  or mask is not None or self.reduction_axes != -1 or self.feature_axes != -1
-                 or not self.use_scale or not self.use_bias or not fused_layer_norm_available())
+                 or self.axis_name is not None or not self.use_scale or not self.use_bias
+                 or not fused_layer_norm_available())
         if plain:
             return super().__call__(x, mask=mask)
         h = x.shape[-1]
