@@ -2,8 +2,12 @@
 
 Megatron's flags (``--help``); the defaults train a small byte-level GPT on the Python reference
 manual shipped with CPython, with tp=2, pp=2, dp=2 on 8 processes and tp=pp=1 in one process.
-Bad flags, a missing data path or an unusable checkpoint give one line from rank 0 and exit
-code 2 on every rank; a NaN loss stops the run with exit code 3 (the last checkpoint is kept).
+Data preprocessed for Megatron-LM trains as it does there: ``--data-path 0.3 PREFIX_A 0.7
+PREFIX_B --split 969,30,1 --tokenizer-type ... [--reset-position-ids --reset-attention-mask
+--eod-mask-loss]`` (docs/data.md).
+Bad flags, missing or unusable data, a tokenizer that does not fit the data or an unusable
+checkpoint give one line from rank 0 and exit code 2 on every rank; a NaN loss stops the run
+with exit code 3 (the last checkpoint is kept).
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ def _run(args, layout, rank: int) -> int:
     data = trainer.data
     logger.print(f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
                  f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {data.corpus_description}, "
-                 f"{len(data.train_data)} train / {len(data.valid_data)} valid samples, unigram entropy "
+                 f"{len(data.train_data)} train / {data.num_valid_samples} valid samples, unigram entropy "
                  f"{data.unigram_entropy:.4f} nats")
     if resumed:
         logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")

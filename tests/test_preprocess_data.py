@@ -137,16 +137,14 @@ def test_tokenizer_registry():
         build_tokenizer("HuggingFaceTokenizer")
 
 
-def test_huggingface_tokenizer_without_the_package_says_how_to_install(tmp_path):
-    try:
-        import tokenizers  # noqa: F401
-
-        pytest.skip("the tokenizers package is installed")
-    except ImportError:
-        pass
+def test_huggingface_tokenizer_without_the_package_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as on a host without it: import fails
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ImportError, match="pip install tokenizers"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path))
+    with pytest.raises(ImportError, match="GPT2BPETokenizer needs the tokenizers package: pip install tokenizers"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "tokenizer.json"),
+                        merge_file=str(tmp_path / "tokenizer.json"))
 
 
 def test_huggingface_tokenizer_with_the_package(tmp_path):
@@ -185,3 +183,21 @@ def test_gpt2_bpe_tokenizer_with_the_package(tmp_path):
         assert gpt2.detokenize(gpt2.tokenize(text)) == text
     with pytest.raises(ValueError, match="needs --vocab-file and --merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file)
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts[:30]))
+    result = run_tool(
+        "--input", jsonl, "--output-prefix", tmp_path / "gpt2", "--tokenizer-type", "GPT2BPETokenizer",
+        "--vocab-file", vocab_file, "--merge-file", merge_file, "--append-eod", "--workers", 2,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    ds = IndexedDataset(str(tmp_path / "gpt2_text_document"))
+    expected = [gpt2.tokenize(text) + [gpt2.eod] for text in texts[:30] if text]  # an empty text has no sequence
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+
+
+def test_megatrons_flags():
+    """The flags of Megatron's tools/preprocess_data.py that this tool implements."""
+    help_text = run_tool("--help").stdout
+    for flag in ("--input", "--json-keys", "--output-prefix", "--tokenizer-type", "--tokenizer-model",
+                 "--vocab-file", "--merge-file", "--vocab-size", "--append-eod", "--workers", "--log-interval"):
+        assert flag in help_text, flag

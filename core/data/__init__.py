@@ -2,7 +2,7 @@
 
 * ``text_dataset``: a byte tokenizer, an offline text corpus, fixed-length next-token datasets
   and a deterministic, resumable data-parallel sampler (what ``launch/pretrain.py`` uses).
-* Megatron-LM's data layer (not yet wired into ``launch/pretrain.py``): ``indexed_dataset``
+* Megatron-LM's data layer (``launch/pretrain.py --data-path PREFIX ...``): ``indexed_dataset``
   (the mmap ``.bin``/``.idx`` format), ``gpt_dataset`` (``GPTDataset``, ``--split``),
   ``blended_dataset`` (``--data-path`` weights), ``dataset_builder`` (train/valid/test from
   both) and ``tokenizers`` (``--tokenizer-type``); ``tools/preprocess_data.py`` writes datasets.
@@ -10,8 +10,14 @@
 
 from core.data.blended_dataset import BlendedDataset, parse_data_path
 from core.data.dataset_builder import build_gpt_datasets
-from core.data.gpt_dataset import GPTDataset, GPTDatasetConfig, build_on_rank0_then_share, get_split_document_ids
-from core.data.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from core.data.gpt_dataset import (
+    GPTDataset,
+    GPTDatasetConfig,
+    build_on_rank0_then_share,
+    get_segment_ids,
+    get_split_document_ids,
+)
+from core.data.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder, max_token_id
 from core.data.text_dataset import (
     ByteTokenizer,
     DataParallelSampler,
@@ -39,8 +45,10 @@ __all__ = [
     "build_tokenizer",
     "build_train_valid_datasets",
     "get_batch",
+    "get_segment_ids",
     "get_split_document_ids",
     "load_corpus",
+    "max_token_id",
     "parse_data_path",
     "unigram_entropy",
 ]

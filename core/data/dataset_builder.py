@@ -36,7 +36,7 @@ def _build_splits(
     indexed = IndexedDataset(prefix)
     datasets: list[GPTDataset | None] = []
     for name, ids, size in zip(SPLIT_NAMES, get_split_document_ids(split, len(indexed)), sizes):
-        if ids is None:
+        if ids is None or size == 0:
             datasets.append(None)
             continue
         datasets.append(
@@ -62,6 +62,8 @@ def build_gpt_datasets(
 
     ``num_samples[i]`` None means one epoch of that split for one prefix; a blend needs an
     integer size for every split with a non-zero weight (a zero-weight split is None).
+    ``num_samples[i] == 0`` skips the split (None): training does not index the test split,
+    whose few documents may not even fill one sample.
     """
     if len(num_samples) != len(SPLIT_NAMES):
         raise ValueError(f"num_samples must give train, valid and test sizes, got {list(num_samples)}")
@@ -79,5 +81,6 @@ def build_gpt_datasets(
     blends: list[GPTDataset | BlendedDataset | None] = []
     for i, size in enumerate(num_samples):
         parts = [datasets[i] for datasets in built]
-        blends.append(None if size is None or any(p is None for p in parts) else BlendedDataset(parts, weights, size))
+        skipped = size is None or size == 0 or any(p is None for p in parts)
+        blends.append(None if skipped else BlendedDataset(parts, weights, size))
     return blends

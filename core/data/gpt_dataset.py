@@ -240,6 +240,22 @@ def get_ltor_masks_and_position_ids(
     return attention_mask, loss_mask, position_ids
 
 
+def get_segment_ids(tokens: np.ndarray, eod_token: int) -> np.ndarray:
+    """Document ids within each sample: int32, same shape as ``tokens`` (``[s]`` or ``[b, s]``).
+
+    ``segment_ids[..., j]`` is the number of EOD tokens strictly before position ``j``, so an
+    EOD belongs to the document it ends. Attention restricted to equal segment ids (and causal)
+    is exactly Megatron's ``reset_attention_mask``: a token after an EOD sees neither the EOD
+    nor anything before it. It is the ``[s]`` form of that ``[s, s]`` mask, which the model
+    rebuilds on the device instead of receiving ``s * s`` values per sample.
+    """
+    tokens = np.asarray(tokens)
+    is_eod = (tokens == eod_token).astype(np.int32)
+    segment_ids = np.zeros(tokens.shape, dtype=np.int32)
+    np.cumsum(is_eod[..., :-1], axis=-1, dtype=np.int32, out=segment_ids[..., 1:])
+    return segment_ids
+
+
 def _save_atomically(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
     """Write ``path`` through a temporary file in its directory and rename it into place."""
     directory = os.path.dirname(path) or "."

@@ -24,9 +24,12 @@ Without ``--split-sentences`` every document is one sequence, so GPT datasets in
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 import os
 import shutil
 import struct
+import tempfile
 from itertools import accumulate
 from typing import Any
 
@@ -298,7 +301,65 @@ class IndexedDataset:
             raise IndexError(f"tokens [{offset}, {offset + length}) out of range for sequence {i} of {size} tokens")
         return self._read(length, int(self.sequence_pointers[i]) + offset * DType.size(self.dtype))
 
+    def sample_tokens(self, max_tokens: int, runs: int = 16) -> np.ndarray:
+        """Up to ``max_tokens`` tokens of the ``.bin``: all of them, or ``runs`` evenly spaced contiguous
+        runs (a cheap, deterministic sample of a large dataset, e.g. for token statistics)."""
+        total = int(self.sequence_lengths.sum(dtype=np.int64))
+        if total <= max_tokens:
+            return self._read(total, 0)
+        run = max(1, max_tokens // runs)
+        starts = np.linspace(0, total - run, runs, dtype=np.int64)
+        return np.concatenate([self._read(run, int(start) * DType.size(self.dtype)) for start in starts])
+
     @property
     def num_documents(self) -> int:
         """Number of documents (boundaries minus one)."""
         return max(0, len(self.document_indices) - 1)
+
+
+_MAX_TOKEN_ID_CACHE: dict[tuple[str, int, int], int] = {}
+"""In-process memo of :func:`max_token_id`, keyed by the ``.bin``'s path, size and mtime."""
+
+
+def max_token_id(path_prefix: str, cache_dir: str | None = None) -> int:
+    """The largest token id in ``path_prefix.bin`` (-1 for an empty dataset), read once and cached.
+
+    Training checks it against the tokenizer's vocabulary before the first step. One pass of
+    ``numpy.max`` over the memory-mapped tokens costs a read of the whole ``.bin``, so the result
+    is kept in this process and in ``cache_dir`` (default ``{path_prefix}/cache``, next to the
+    dataset's index caches) as ``max_token_id-{md5 of the .bin's path}.json``, valid while the
+    ``.bin``'s size and modification time are unchanged. An unwritable cache directory only
+    loses the file cache. ``ValueError`` for a dataset whose tokens are not integers.
+    """
+    dataset = IndexedDataset(path_prefix)
+    if not np.issubdtype(dataset.dtype, np.integer):
+        raise ValueError(f"{get_bin_path(path_prefix)}: tokens of dtype {np.dtype(dataset.dtype).name} are not ids")
+    bin_path = os.path.abspath(get_bin_path(path_prefix))
+    stat = os.stat(bin_path)
+    key = (bin_path, stat.st_size, stat.st_mtime_ns)
+    if key in _MAX_TOKEN_ID_CACHE:
+        return _MAX_TOKEN_ID_CACHE[key]
+    directory = cache_dir if cache_dir is not None else os.path.join(path_prefix, "cache")
+    name = hashlib.md5(bin_path.encode("utf-8"), usedforsecurity=False).hexdigest()
+    cache_file = os.path.join(directory, f"max_token_id-{name}.json")
+    record = {"bin_path": bin_path, "bin_size": stat.st_size, "bin_mtime_ns": stat.st_mtime_ns}
+    try:
+        with open(cache_file, encoding="utf-8") as stream:
+            cached = json.load(stream)
+        if all(cached.get(k) == v for k, v in record.items()) and isinstance(cached.get("max_token_id"), int):
+            _MAX_TOKEN_ID_CACHE[key] = cached["max_token_id"]
+            return cached["max_token_id"]
+    except (OSError, ValueError):
+        pass  # no cache yet, or an unreadable one: compute
+    tokens = dataset._read(stat.st_size // DType.size(dataset.dtype), 0)
+    result = int(tokens.max()) if tokens.size else -1
+    _MAX_TOKEN_ID_CACHE[key] = result
+    try:  # atomically: ranks of one job may compute and write it at the same time
+        os.makedirs(directory, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-max_token_id-")
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump({**record, "max_token_id": result}, stream)
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only dataset directory: the next run computes it again
+    return result

@@ -159,7 +159,8 @@ class DataParallelSampler:
     """Deterministic, resumable, per-epoch shuffled sample order split over data-parallel ranks.
 
     The global order is the concatenation of the permutations of ``range(num_samples)`` drawn
-    from ``np.random.default_rng([seed, epoch])`` for epoch 0, 1, ... Global batch ``step`` is
+    from ``np.random.default_rng([seed, epoch])`` for epoch 0, 1, ... (of ``range(num_samples)``
+    itself with ``shuffle=False``). Global batch ``step`` is
     the slice ``[step * global_batch_size, (step + 1) * global_batch_size)`` of that order
     (it may span an epoch boundary); rank ``r`` takes the ``r``-th contiguous share of it.
     """
@@ -176,6 +177,9 @@ class DataParallelSampler:
     """Seed of the per-epoch shuffles."""
     consumed_samples: int = 0
     """Resume position: global samples already consumed (advanced by ``next_*_batch``)."""
+    shuffle: bool = True
+    """Permute every epoch; False takes the samples in order (Megatron's ``MegatronPretrainingSampler``,
+    for datasets such as ``GPTDataset`` that are shuffled already)."""
     _perm_cache: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """Per-epoch permutations already drawn."""
 
@@ -192,6 +196,8 @@ class DataParallelSampler:
 
     def epoch_permutation(self, epoch: int) -> np.ndarray:
         """The sample order of ``epoch``: a permutation of ``range(num_samples)``."""
+        if not self.shuffle:
+            return np.arange(self.num_samples)
         if epoch not in self._perm_cache:
             if len(self._perm_cache) > 4:
                 self._perm_cache.clear()

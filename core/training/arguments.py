@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from core.data.tokenizers import MegatronTokenizer
     from core.models.gpt import GPTConfig
+
+TOKENIZER_TYPE_NAMES = ("ByteLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+"""``--tokenizer-type`` choices (``core.data.tokenizers.TOKENIZER_TYPES``' names, listed here so that
+building the parser imports nothing of the data layer)."""
 
 
 class ArgumentError(ValueError):
@@ -83,9 +89,32 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0, help="global grad-norm clip (0 disables)")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", default=None,
-                   help="text file or directory (default: the Python reference manual shipped with CPython)")
-    g.add_argument("--valid-fraction", type=float, default=0.05, help="share of the corpus held out")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="Megatron indexed-dataset prefixes (PREFIX.bin/.idx from tools/preprocess_data.py), "
+                        "optionally weighted: '0.3 PREFIX_A 0.7 PREFIX_B'; or one text file or directory "
+                        "(default: the Python reference manual shipped with CPython)")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights of the documents of each indexed dataset")
+    g.add_argument("--valid-fraction", type=float, default=0.05, help="share of a text corpus held out")
+    g.add_argument("--data-cache-path", default=None,
+                   help="directory of the cached sample indices (default: PREFIX/cache/GPTDataset_indices)")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPE_NAMES, default="ByteLevel",
+                   help="ByteLevel: UTF-8 bytes + EOD 256; the others as in Megatron")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a tokenizer.json or the directory holding one")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer: ids below this, EOD = this id (vocabulary of this + 1)")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="restart position ids after every end-of-document token (indexed data)")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="no attention across an end-of-document token (indexed data; sent as segment_ids)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the end-of-document token (indexed data)")
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="accepted for Megatron's command lines; batches are assembled in the training process "
+                        "while the previous step runs")
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
@@ -167,15 +196,143 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise ArgumentError(str(e).replace("_", "-")) from None
-    if args.data_path is not None and not os.path.exists(args.data_path):
-        raise ArgumentError(f"--data-path {args.data_path}: no such file or directory")
     if args.save_interval is not None and args.save_interval < 1:
         raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    validate_data_args(args)
+    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """What ``--data-path`` names: the built-in corpus, a text file or directory, or indexed datasets."""
+
+    kind: str
+    """``"builtin"`` (no ``--data-path``), ``"text"`` or ``"indexed"``."""
+    text_path: str | None = None
+    """The text file or directory (kind ``"text"``)."""
+    prefixes: tuple[str, ...] = ()
+    """Megatron dataset prefixes (kind ``"indexed"``)."""
+    weights: tuple[float, ...] = ()
+    """Their normalised blend weights."""
+
+    def describe(self) -> str:
+        """``0.3 prefixA, 0.7 prefixB`` for a blend, the path otherwise."""
+        if self.kind == "builtin":
+            return "the built-in corpus"
+        if self.kind == "text":
+            return str(self.text_path)
+        return ", ".join(f"{w:.3g} {p}" for w, p in zip(self.weights, self.prefixes))
+
+
+def _is_dataset_prefix(path: str) -> bool:
+    """Whether ``path.bin`` or ``path.idx`` exists (the pair's other half is checked on opening)."""
+    return os.path.isfile(path + ".bin") or os.path.isfile(path + ".idx")
+
+
+def data_source(data_path: Sequence[str] | None) -> DataSource:
+    """Classify ``--data-path``; :class:`ArgumentError` for a value that is neither kind.
+
+    A single entry is a dataset prefix when ``entry.bin`` or ``entry.idx`` exists (checked first:
+    Megatron's default index cache makes ``entry`` itself a directory), else a text file or
+    directory. Several entries are Megatron's ``weight prefix`` pairs, every prefix a dataset.
+    """
+    if data_path is None:
+        return DataSource("builtin")
+    from core.data.blended_dataset import parse_data_path
+
+    items = [str(item) for item in data_path]
+    if not items:
+        raise ArgumentError("--data-path needs a value: dataset prefixes ('PREFIX' or '0.3 PREFIX_A 0.7 PREFIX_B') "
+                            "or a text file or directory")
+    if len(items) == 1:
+        (item,) = items
+        if _is_dataset_prefix(item):
+            return DataSource("indexed", prefixes=(item,), weights=(1.0,))
+        stem, extension = os.path.splitext(item)
+        if extension in (".bin", ".idx") and _is_dataset_prefix(stem):
+            raise ArgumentError(f"--data-path {item}: give the dataset prefix {stem} (without {extension})")
+        if os.path.exists(item):
+            return DataSource("text", text_path=item)
+        raise ArgumentError(f"--data-path {item}: no such file or directory (nor a Megatron dataset prefix: "
+                            f"no {item}.bin or {item}.idx)")
+    try:
+        prefixes, weights = parse_data_path(items)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    for prefix in prefixes:
+        if not _is_dataset_prefix(prefix):
+            raise ArgumentError(f"--data-path: {prefix}.bin and {prefix}.idx: no such files (a blend takes "
+                                "dataset prefixes written by tools/preprocess_data.py)")
+    return DataSource("indexed", prefixes=tuple(prefixes), weights=tuple(weights))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_file: str | None,
+                      merge_file: str | None, vocab_size: int | None) -> MegatronTokenizer:
+    from core.data.tokenizers import build_tokenizer
+
+    return build_tokenizer(tokenizer_type, tokenizer_model=tokenizer_model, vocab_file=vocab_file,
+                           merge_file=merge_file, vocab_size=vocab_size)
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line (the tokenizers library's can span several)."""
+    return " ".join(str(error).split())
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizer:
+    """The tokenizer of ``--tokenizer-type`` and its file flags (built once per process: validation
+    and the data pipeline share it); :class:`ArgumentError` when it cannot be built."""
+    try:
+        return _cached_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file,
+                                 args.vocab_size)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise ArgumentError(_one_line(e)) from None
+    except Exception as e:  # noqa: BLE001 (a corrupt tokenizer.json raises the library's bare Exception)
+        source = args.tokenizer_model or args.vocab_file
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: cannot load {source}: {_one_line(e)}") from None
+
+
+def validate_data_args(args: argparse.Namespace) -> DataSource:
+    """Check the data flags and the data itself; :class:`ArgumentError` with one line naming the problem.
+
+    Indexed datasets are opened (missing ``.bin``/``.idx``, wrong magic, truncation) and their
+    largest token id (:func:`core.data.max_token_id`, cached) must lie inside the tokenizer's
+    vocabulary: a dataset made with another tokenizer would otherwise index past the embedding.
+    """
+    source = data_source(args.data_path)
     if not 0.0 < args.valid_fraction < 1.0:
         raise ArgumentError(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
-    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
+    if args.num_workers < 0:
+        raise ArgumentError(f"--num-workers must be >= 0, got {args.num_workers}")
+    tokenizer = tokenizer_from_args(args)
+    eod_flags = [f"--{name.replace('_', '-')}" for name in ("reset_position_ids", "reset_attention_mask",
+                                                             "eod_mask_loss") if getattr(args, name)]
+    if source.kind != "indexed":
+        if eod_flags:
+            raise ArgumentError(f"{' '.join(eod_flags)} need indexed data (--data-path PREFIX): a text corpus "
+                                "has no end-of-document tokens")
+        return source
+    from core.data.gpt_dataset import parse_and_normalize_split
+    from core.data.indexed_dataset import max_token_id
+
+    try:
+        parse_and_normalize_split(args.split)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    for prefix in source.prefixes:
+        try:
+            top = max_token_id(prefix, args.data_cache_path)
+        except (FileNotFoundError, ValueError) as e:
+            raise ArgumentError(f"--data-path: {_one_line(e)}") from None
+        if top >= tokenizer.vocab_size:
+            raise ArgumentError(
+                f"--data-path {prefix}: token ids up to {top}, but --tokenizer-type {args.tokenizer_type} has a "
+                f"vocabulary of {tokenizer.vocab_size} (ids 0..{tokenizer.vocab_size - 1}); train with the "
+                "tokenizer the dataset was preprocessed with")
+    return source
 
 
 def _validate_model_values(args: argparse.Namespace) -> None:

@@ -3,8 +3,13 @@
 One training iteration is one jitted ``shard_map`` program (DDP's fused step): the pipeline
 schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping and the
 (distributed) optimizer. The data order is a pure function of ``--seed`` and the number of
-consumed samples, parameters and optimizer state live in the checkpoint, and nothing else is
-random (no dropout), so resuming reproduces the uninterrupted run.
+consumed samples, parameters and optimizer state live in the checkpoint, and the only other
+randomness, dropout, is seeded per sample from ``--seed`` and the sample's position in that
+order (:func:`dropout_seeds`), so resuming reproduces the uninterrupted run.
+
+The data (:class:`PretrainingData`) is the built-in corpus, a text file or directory, or
+Megatron's indexed datasets (``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``),
+whose batches carry Megatron's fields (:data:`BATCH_FIELDS`).
 
 The loop does not wait for a step's loss before starting the next: JAX dispatches steps
 asynchronously, so the host builds batch ``i + 1`` while the device runs step ``i``, and
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -31,14 +38,24 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core import checkpointing
-from core.data import ByteTokenizer, DataParallelSampler, build_train_valid_datasets, get_batch, load_corpus
+from core.data import (
+    ByteTokenizer,
+    DataParallelSampler,
+    GPTDatasetConfig,
+    IndexedDataset,
+    build_gpt_datasets,
+    build_train_valid_datasets,
+    get_batch,
+    get_segment_ids,
+    load_corpus,
+)
 from core.data.text_dataset import unigram_entropy
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.models.gpt import GPTModel
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
-from core.training.arguments import ParallelLayout, model_config
+from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
@@ -62,32 +79,173 @@ def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
     return optax.join_schedules([warmup, decay], [args.lr_warmup_iters])
 
 
-class PretrainingData:
-    """Corpus, train/valid split and the global batches of a run (the same on every process;
-    each device keeps its data-parallel rows of a global batch)."""
+BATCH_FIELDS = {
+    "tokens": "int32 [b, s]: input ids",
+    "labels": "int32 [b, s]: next-token ids",
+    "loss_mask": "float32 [b, s]: 0 where a token carries no loss (--eod-mask-loss); indexed data only",
+    "position_ids": "int32 [b, s]: positions restarting after every EOD; with --reset-position-ids only",
+    "segment_ids": "int32 [b, s]: EODs strictly before each position (attend within equal ids); "
+                   "with --reset-attention-mask only",
+    "dropout_seed": "int32 [b]: per-sample dropout seed (dropout_seeds); training batches of a model "
+                    "with dropout only",
+}
+"""The batch contract between the data and the model: field -> dtype, shape and when it is sent."""
 
-    def __init__(self, args: argparse.Namespace, state: ParallelState):
+_DROPOUT_SEED_MULTIPLIER = 2654435761
+"""Knuth's multiplicative hash constant: consecutive samples get well-spread seeds."""
+
+_ENTROPY_TOKENS = 1 << 20
+"""Tokens per dataset read for the unigram-entropy baseline of indexed data (the print, not training)."""
+
+
+def dropout_seeds(seed: int, first_sample: int, count: int) -> np.ndarray:
+    """int32 ``[count]``: ``(seed * 2654435761 + position) mod 2**31`` for the global sample
+    positions ``first_sample .. first_sample + count - 1`` in consumption order.
+
+    A sample's dropout depends only on ``--seed`` and where it is consumed, not on the layout,
+    the device that holds its row or whether the run was resumed.
+    """
+    base = (int(seed) * _DROPOUT_SEED_MULTIPLIER) % (1 << 31)
+    return ((base + np.arange(first_sample, first_sample + count, dtype=np.int64)) % (1 << 31)).astype(np.int32)
+
+
+def _process_barrier() -> Callable[[], None] | None:
+    """A barrier over every process (None in one process): rank 0 writes the index caches first."""
+    if jax.process_count() == 1:
+        return None
+    from jax.experimental import multihost_utils
+
+    counter = itertools.count()  # every process builds the same datasets in the same order: same names
+    return lambda: multihost_utils.sync_global_devices(f"core.training.pretrainer:data:{next(counter)}")
+
+
+def _sampled_unigram_entropy(prefixes: tuple[str, ...], weights: tuple[float, ...], vocab_size: int) -> float:
+    """Unigram entropy (nats) of a blend: each dataset's token distribution over up to
+    :data:`_ENTROPY_TOKENS` of its tokens (``IndexedDataset.sample_tokens``), mixed with the weights."""
+    mixture = np.zeros(vocab_size, dtype=np.float64)
+    for prefix, weight in zip(prefixes, weights):
+        tokens = IndexedDataset(prefix).sample_tokens(_ENTROPY_TOKENS).astype(np.int64)
+        if tokens.size:
+            mixture += weight * np.bincount(tokens, minlength=vocab_size)[:vocab_size] / tokens.size
+    probs = mixture[mixture > 0] / mixture.sum()
+    return max(0.0, float(-(probs * np.log(probs)).sum()))
+
+
+class PretrainingData:
+    """Datasets, sampler and global batches of a run (the same on every process; each device keeps
+    its data-parallel rows of a global batch).
+
+    * No ``--data-path``, or a text file or directory: the text is tokenized whole (ByteLevel:
+      its bytes, a vocabulary of 256, since plain text has no EOD), ``--valid-fraction`` of it is
+      held out, and the sampler shuffles every epoch. Batches: ``tokens`` and ``labels``.
+    * Megatron prefixes: ``build_gpt_datasets`` over ``--data-path`` and ``--split`` with
+      ``--train-iters x --global-batch-size`` training samples and ``--eval-iters x
+      --global-batch-size`` validation samples (a fixed set, the same at every evaluation);
+      rank 0 builds the index caches while the others wait, then they load them. ``GPTDataset``
+      is shuffled already, so the sampler takes its samples in order (Megatron's
+      ``MegatronPretrainingSampler``). Batches: ``tokens``, ``labels``, ``loss_mask`` and, as
+      the flags ask, ``position_ids`` and ``segment_ids`` (:data:`BATCH_FIELDS`).
+
+    With ``with_dropout_seed`` training batches (never validation ones) also carry ``dropout_seed``.
+    """
+
+    def __init__(self, args: argparse.Namespace, state: ParallelState, with_dropout_seed: bool = False):
+        """Load or index the data the flags name (``args`` already validated)."""
         self.args = args
-        text, self.corpus_description = load_corpus(args.data_path)
-        tokens = ByteTokenizer().encode(text)
-        self.unigram_entropy = unigram_entropy(tokens, ByteTokenizer.vocab_size)
+        self.with_dropout_seed = with_dropout_seed
+        """Whether training batches carry ``dropout_seed`` (the model has dropout)."""
+        self.source = data_source(args.data_path)
+        """What ``--data-path`` names."""
+        self.tokenizer = tokenizer_from_args(args)
+        """The ``--tokenizer-type`` tokenizer."""
+        self.indexed = self.source.kind == "indexed"
+        """Whether the data are Megatron indexed datasets."""
+        if self.indexed:
+            self._init_indexed(args)
+        else:
+            self._init_text(args)
+        self.batch_sharding = NamedSharding(state.mesh, P(state.data_parallel_axis_name))
+
+    def _init_text(self, args: argparse.Namespace) -> None:
+        text, self.corpus_description = load_corpus(self.source.text_path)
+        if args.tokenizer_type == "ByteLevel":
+            tokens, self.vocab_size = ByteTokenizer().encode(text), ByteTokenizer.vocab_size
+        else:
+            tokens = np.asarray(self.tokenizer.tokenize(text), dtype=np.int32)
+            self.vocab_size = self.tokenizer.vocab_size
+            self.corpus_description += f", {args.tokenizer_type} vocabulary {self.vocab_size}"
+        self.unigram_entropy = unigram_entropy(tokens, self.vocab_size)
         self.train_data, self.valid_data = build_train_valid_datasets(tokens, args.seq_length, args.valid_fraction)
         self.sampler = DataParallelSampler(num_samples=len(self.train_data), micro_batch_size=args.micro_batch_size,
                                            data_parallel_rank=0, data_parallel_size=1, seed=args.seed)
-        self.batch_sharding = NamedSharding(state.mesh, P(state.data_parallel_axis_name))
+
+    def _init_indexed(self, args: argparse.Namespace) -> None:
+        self.vocab_size = self.tokenizer.vocab_size
+        config = GPTDatasetConfig(
+            sequence_length=args.seq_length, random_seed=args.seed, eod_token=self.tokenizer.eod,
+            reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
+            eod_mask_loss=args.eod_mask_loss, create_attention_mask=False, path_to_cache=args.data_cache_path)
+        g = args.global_batch_size
+        items = [str(x) for pair in zip(self.source.weights, self.source.prefixes) for x in pair]
+        # Test split: 0 samples, not indexed (training never reads it).
+        self.train_data, self.valid_data, _ = build_gpt_datasets(
+            items, args.split, [args.train_iters * g, args.eval_iters * g, 0], config,
+            rank=jax.process_index(), barrier=_process_barrier())
+        if self.train_data is None:
+            raise ValueError(f"--split {args.split} gives the training split no documents")
+        self.unigram_entropy = _sampled_unigram_entropy(self.source.prefixes, self.source.weights, self.vocab_size)
+        self.corpus_description = (f"Megatron datasets {self.source.describe()} (--split {args.split}, "
+                                   f"{args.tokenizer_type} vocabulary {self.vocab_size})")
+        self.sampler = DataParallelSampler(num_samples=len(self.train_data), micro_batch_size=args.micro_batch_size,
+                                           data_parallel_rank=0, data_parallel_size=1, seed=args.seed, shuffle=False)
+
+    @property
+    def num_valid_samples(self) -> int:
+        """Validation samples available (0 when ``--split`` gives validation no documents)."""
+        return 0 if self.valid_data is None else len(self.valid_data)
+
+    def _indexed_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Megatron's fields of the samples ``indices`` of a ``GPTDataset`` or ``BlendedDataset``."""
+        samples = [dataset[int(i)] for i in indices]
+        stack = lambda key, dtype: np.stack([sample[key] for sample in samples]).astype(dtype)
+        batch = {"tokens": stack("tokens", np.int32), "labels": stack("labels", np.int32),
+                 "loss_mask": stack("loss_mask", np.float32)}
+        if self.args.reset_position_ids:
+            batch["position_ids"] = stack("position_ids", np.int32)
+        if self.args.reset_attention_mask:
+            batch["segment_ids"] = get_segment_ids(batch["tokens"], self.tokenizer.eod)
+        return batch
+
+    def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return self._indexed_batch(dataset, indices) if self.indexed else get_batch(dataset, indices)
 
     def _to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
                 for k, v in batch.items()}
 
+    def next_train_host_batch(self) -> dict[str, np.ndarray]:
+        """The next global batch as numpy arrays (advances the sampler's consumed samples)."""
+        g = self.args.global_batch_size
+        first = self.sampler.consumed_samples
+        batch = self._host_batch(self.train_data, self.sampler.next_global_batch(g))
+        if self.with_dropout_seed:
+            batch["dropout_seed"] = dropout_seeds(self.args.seed, first, g)
+        return batch
+
     def next_train_batch(self) -> dict[str, jax.Array]:
         """The next global batch (advances the sampler's consumed samples)."""
-        return self._to_global(get_batch(self.train_data, self.sampler.next_global_batch(self.args.global_batch_size)))
+        return self._to_global(self.next_train_host_batch())
+
+    def valid_host_batch(self, i: int) -> dict[str, np.ndarray]:
+        """Validation batch ``i`` as numpy arrays (a fixed set, the same at every evaluation; no dropout)."""
+        if self.valid_data is None:
+            raise ValueError(f"--split {self.args.split} gives validation no documents")
+        g = self.args.global_batch_size
+        return self._host_batch(self.valid_data, np.arange(i * g, (i + 1) * g) % len(self.valid_data))
 
     def valid_batch(self, i: int) -> dict[str, jax.Array]:
         """Validation batch ``i`` (a fixed set, the same at every evaluation)."""
-        g = self.args.global_batch_size
-        return self._to_global(get_batch(self.valid_data, np.arange(i * g, (i + 1) * g) % len(self.valid_data)))
+        return self._to_global(self.valid_host_batch(i))
 
 
 class Pretrainer:
@@ -96,7 +254,14 @@ class Pretrainer:
     def __init__(self, args: argparse.Namespace, layout: ParallelLayout, state: ParallelState,
                  logger: TrainingLogger | None = None):
         self.args, self.layout, self.state = args, layout, state
-        self.config = model_config(args, ByteTokenizer.vocab_size)
+        self.data = PretrainingData(args, state)
+        self.config = model_config(args, self.data.vocab_size)  # the tokenizer decides the vocabulary
+        try:  # again, with the tokenizer's vocabulary (validate_args checked the flags' model)
+            self.config.validate(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size
+                                 * (layout.virtual_pipeline_model_parallel_size or 1))
+        except ValueError as e:
+            raise ValueError(str(e).replace("_", "-")) from None
+        self.data.with_dropout_seed = self.config.attention_dropout > 0 or self.config.hidden_dropout > 0
         self.model = GPTModel(self.config, state)
         self.schedule = learning_rate_schedule(args)
         # The learning rate of every iteration, on the host: evaluating the (jnp) schedule per step
@@ -113,7 +278,6 @@ class Pretrainer:
         self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
         self.logger = logger
         self._peak = None
-        self.data = PretrainingData(args, state)
         self.iteration = 0
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
@@ -131,7 +295,9 @@ class Pretrainer:
                                      out_specs=P(), check_vma=False))
 
     def evaluate(self) -> float:
-        """Mean validation loss over ``--eval-iters`` batches."""
+        """Mean validation loss over ``--eval-iters`` batches (NaN without validation data)."""
+        if not self.data.num_valid_samples:
+            return math.nan
         return float(np.mean([float(self.eval_step(self.params, self.data.valid_batch(i)))
                               for i in range(self.args.eval_iters)]))
 
@@ -280,7 +446,7 @@ class Pretrainer:
     def _after_collect(self, record: dict[str, Any], stop: int) -> None:
         """Evaluate, log and save at an iteration whose values were just read back."""
         args, log, i = self.args, self.logger, self.iteration
-        if args.eval_interval and i % args.eval_interval == 0:
+        if args.eval_interval and i % args.eval_interval == 0 and self.data.num_valid_samples:
             record["valid_loss"] = self.evaluate()
         if log:
             log.set_loss(record["loss"])
