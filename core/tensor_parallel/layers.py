@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.fusions import FusedLayerNorm
+from core.fusions import FusedLayerNorm, FusedRMSNorm
 from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import gelu, linear
@@ -65,6 +65,13 @@ class ColumnParallelLinear(nn.Module):
     """Parameter dtype."""
     axis_name: str = TP_AXIS
     """Tensor-parallel mesh axis."""
+    num_stacked: int = 1
+    """Independent projections of the same input computed as one matmul (e.g. SwiGLU's gate and
+    up): above 1 the weight is ``[num_stacked, out/tp, in]`` (global ``[num_stacked, out, in]``,
+    split over tp along dim 1) and the output ``[..., num_stacked * out/tp]``, stacked-major.
+    Each rank then holds the matching slice of every projection, and the global weight does
+    not depend on tp (a fused ``[num_stacked * out, in]`` weight split along dim 0 would give
+    rank 0 only gate rows)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -72,18 +79,24 @@ class ColumnParallelLinear(nn.Module):
         tp = lax.axis_size(self.axis_name)
         if self.gather_output and self.sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output is not supported with sequence_parallel")
+        if self.gather_output and self.num_stacked > 1:
+            raise ValueError("ColumnParallelLinear: gather_output is not supported with num_stacked > 1")
         out_local = divide(self.output_size, tp)
+        stacked = self.num_stacked > 1
+        lead = (self.num_stacked,) if stacked else ()
+        lead_names = (None,) if stacked else ()
         weight = self.param("weight", with_parallel_metadata(
-            tensor_parallel_init(self.init_method, 0, self.axis_name), (self.axis_name, None)),
-            (out_local, self.input_size), self.params_dtype)
+            tensor_parallel_init(self.init_method, len(lead), self.axis_name), lead_names + (self.axis_name, None)),
+            lead + (out_local, self.input_size), self.params_dtype)
+        weight = weight.reshape(-1, self.input_size)
         if self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, True, self.axis_name)
         else:
             x = copy_to_tensor_model_parallel_region(x, self.axis_name)
         b = None
         if self.bias:
-            b = self.param("bias", with_parallel_metadata(nn.initializers.zeros, (self.axis_name,)),
-                           (out_local,), self.params_dtype)
+            b = self.param("bias", with_parallel_metadata(nn.initializers.zeros, lead_names + (self.axis_name,)),
+                           lead + (out_local,), self.params_dtype).reshape(-1)
         if b is not None and not self.skip_bias_add:
             y, b = linear(x, weight, b), None
         else:
@@ -178,13 +191,36 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tensor_model_parallel_region(out, self.axis_name)
 
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+"""What :func:`build_norm` accepts (Megatron's ``--normalization``)."""
+
+
+def build_norm(normalization: str, epsilon: float, sequence_parallel: bool, name: str) -> nn.Module:
+    """A ``LayerNorm`` (params ``scale``, ``bias``) or ``RMSNorm`` (``scale``) over the last dim.
+
+    Its params are replicated over tp; under sequence parallelism each rank normalises only its
+    sequence shard, so they are tagged ``sequence_parallel`` (their grads are summed over tp).
+    """
+    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sequence_parallel)
+    if normalization == "LayerNorm":
+        return FusedLayerNorm(epsilon=epsilon, scale_init=meta(nn.initializers.ones),
+                              bias_init=meta(nn.initializers.zeros), name=name)
+    if normalization == "RMSNorm":
+        return FusedRMSNorm(epsilon=epsilon, scale_init=meta(nn.initializers.ones), name=name)
+    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+
+
 class ParallelMLP(nn.Module):
-    """Pre-norm MLP block: LayerNorm -> ColumnParallel(gelu) -> RowParallel, plus the residual.
+    """Pre-norm MLP block: norm -> ColumnParallel(gelu, or SwiGLU) -> RowParallel, plus the residual.
 
     With ``sequence_parallel`` the input and output are ``[s/tp, b, h]`` sequence shards: the
     norm and the output dropout run on the shard (norm params tagged ``sequence_parallel``,
     dropout masks sliced from the full-sequence mask so they do not depend on the layout), the
     column layer all-gathers the sequence and the row layer reduce-scatters it.
+
+    With ``gated_linear_unit`` (Megatron's ``--swiglu``) the block is
+    ``fc2(silu(x W_gate) * (x W_up))``: ``fc1`` holds the gate and up weights stacked
+    (``[2, ffn, h]``, the ffn dim split over tp), so each rank gates its own ffn slice.
     """
 
     hidden_size: int
@@ -199,18 +235,39 @@ class ParallelMLP(nn.Module):
     """Disable dropout (evaluation)."""
     axis_name: str = TP_AXIS
     """Tensor-parallel mesh axis."""
+    gated_linear_unit: bool = False
+    """SwiGLU instead of gelu (see class docstring)."""
+    bias: bool = True
+    """Biases on ``fc1`` and ``fc2`` (False: Megatron's ``--disable-bias-linear``)."""
+    normalization: str = "LayerNorm"
+    """The pre-norm: ``"LayerNorm"`` or ``"RMSNorm"``."""
+    epsilon: float = 1e-6
+    """The pre-norm's epsilon (the default is flax's; GPT passes ``layernorm_epsilon``)."""
+    init_method: Initializer = default_init_method
+    """``fc1``'s weight initializer (global shape)."""
+    output_layer_init_method: Initializer = default_init_method
+    """``fc2``'s weight initializer (global shape; Megatron scales its std by ``1/sqrt(2 L)``)."""
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``x + Dropout(MLP(LayerNorm(x)))``."""
+    def __call__(self, x: jax.Array, dropout_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+        """``x + Dropout(MLP(Norm(x)))``; ``dropout_fn``, when given, replaces the rng-driven
+        dropout on the block output (e.g. GPT's layout-invariant per-sample masks)."""
         sp = self.sequence_parallel
-        meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sp)
-        h = FusedLayerNorm(scale_init=meta(nn.initializers.ones), bias_init=meta(nn.initializers.zeros),
-                           name="layernorm")(x)
-        h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, sequence_parallel=sp,
-                                    axis_name=self.axis_name, name="fc1")(h)
-        h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, input_is_parallel=True, sequence_parallel=sp,
-                                 axis_name=self.axis_name, name="fc2")(gelu(h))
-        if self.hidden_dropout and not self.deterministic:
+        h = build_norm(self.normalization, self.epsilon, sp, "layernorm")(x)
+        stack = 2 if self.gated_linear_unit else 1
+        h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, bias=self.bias, sequence_parallel=sp,
+                                    init_method=self.init_method, axis_name=self.axis_name, num_stacked=stack,
+                                    name="fc1")(h)
+        if self.gated_linear_unit:
+            gate, up = jnp.split(h, 2, axis=-1)
+            h = jax.nn.silu(gate) * up
+        else:
+            h = gelu(h)
+        h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, bias=self.bias, input_is_parallel=True,
+                                 sequence_parallel=sp, init_method=self.output_layer_init_method,
+                                 axis_name=self.axis_name, name="fc2")(h)
+        if dropout_fn is not None:
+            h = dropout_fn(h)
+        elif self.hidden_dropout and not self.deterministic:
             h = sequence_parallel_dropout(self.make_rng("dropout"), h, self.hidden_dropout, sp, self.axis_name)
         return x + h

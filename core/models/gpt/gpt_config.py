@@ -68,16 +68,40 @@ class GPTConfig:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and output layer: ``padded_vocab_size`` or ``vocab_size``."""
+        return self.padded_vocab_size or self.vocab_size
+
+    @property
+    def query_groups(self) -> int:
+        """K/V head groups actually used (``num_query_groups`` or one per head)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that rotary rotates (Megatron: ``int(head_dim * rotary_percent)``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
     def compute_dtype(self):
         """Activation dtype."""
         return jnp.bfloat16 if self.bf16 else jnp.float32
 
     def flops_per_token(self) -> float:
-        """Model FLOPs of forward + backward per token (``6 N`` + attention, Megatron's formula)."""
+        """Model FLOPs of forward + backward per token (``6 N`` + attention, Megatron's formula,
+        with its grouped-query and SwiGLU terms; the logits over the padded vocabulary)."""
         h, s, layers = self.hidden_size, self.seq_length, self.num_layers
-        # forward per token and layer: qkv 6h^2, projection 2h^2, MLP 4h*ffn, scores + values 4sh
-        per_layer = 8 * h * h + 4 * h * self.ffn_size + 4 * s * h
-        logits = 2 * h * self.vocab_size
+        # forward per token and layer: qkv 2h(h + 2 G d) (6h^2 for multi-head), projection 2h^2,
+        # MLP 4h*ffn (x 3/2 with SwiGLU's third matrix), scores + values 4sh
+        qkv = 2 * h * (h + 2 * self.query_groups * self.head_dim)
+        mlp = 4 * h * self.ffn_size * (1.5 if self.swiglu else 1.0)
+        per_layer = qkv + 2 * h * h + mlp + 4 * s * h
+        logits = 2 * h * self.vocab_rows
         return 3.0 * (layers * per_layer + logits)  # backward = 2x forward
 
     def validate(self, tensor_model_parallel_size: int, pipeline_chunks: int) -> None:
@@ -88,8 +112,17 @@ class GPTConfig:
                                                  f"by tensor_model_parallel_size {tp}"),
             (self.hidden_size % self.num_attention_heads == 0, f"hidden_size {self.hidden_size} is not divisible "
                                                                f"by num_attention_heads {self.num_attention_heads}"),
-            (self.vocab_size % tp == 0, f"vocab_size {self.vocab_size} is not divisible by "
-                                        f"tensor_model_parallel_size {tp}"),
+            (self.padded_vocab_size is not None or self.vocab_size % tp == 0,
+             f"vocab_size {self.vocab_size} is not divisible by tensor_model_parallel_size {tp}"),
+            (self.padded_vocab_size is None or self.padded_vocab_size >= self.vocab_size,
+             f"padded_vocab_size {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}"),
+            (self.padded_vocab_size is None or self.padded_vocab_size % tp == 0,
+             f"padded_vocab_size {self.padded_vocab_size} is not divisible by tensor_model_parallel_size {tp}"),
+            (self.num_attention_heads % self.query_groups == 0,
+             f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+             f"{self.query_groups}"),
+            (self.query_groups % tp == 0, f"num_query_groups {self.query_groups} is not divisible by "
+                                          f"tensor_model_parallel_size {tp}"),
             (self.ffn_size % tp == 0, f"ffn_hidden_size {self.ffn_size} is not divisible by "
                                       f"tensor_model_parallel_size {tp}"),
             (self.num_layers % pipeline_chunks == 0, f"num_layers {self.num_layers} is not divisible by pipeline "
@@ -99,6 +132,14 @@ class GPTConfig:
              "(needed by --sequence-parallel)"),
             (self.position_embedding_type in ("learned_absolute", "rope"),
              f"position_embedding_type must be 'learned_absolute' or 'rope', got {self.position_embedding_type!r}"),
+            (0.0 < self.rotary_percent <= 1.0, f"rotary_percent must be in (0, 1], got {self.rotary_percent}"),
+            (self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+             f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
+             "dims; rope needs a positive even number"),
+            (self.normalization in ("LayerNorm", "RMSNorm"),
+             f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
+            (0.0 <= self.attention_dropout < 1.0, f"attention_dropout must be in [0, 1), got {self.attention_dropout}"),
+            (0.0 <= self.hidden_dropout < 1.0, f"hidden_dropout must be in [0, 1), got {self.hidden_dropout}"),
             (self.recompute_granularity in (None, "full"),
              f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}"),
         ]

@@ -3,20 +3,35 @@
 Activations are ``[s, b, h]`` (Megatron's layout), ``[s/tp, b, h]`` under sequence parallelism.
 Every parameter is initialised tensor-parallel-invariantly (the tp=1 weight split k ways) and
 declares its split (``core.param_metadata``), so the model is the same whatever the layout.
+
+A microbatch is a dict: ``"tokens"`` and ``"labels"`` ``[b, s]`` int32, and optionally
+``"loss_mask"`` ``[b, s]`` float32 (absent: all ones), ``"position_ids"`` ``[b, s]`` int32
+(absent: ``arange(s)``; read by learned positions and rotary), ``"segment_ids"`` ``[b, s]``
+int32 (document-causal attention: a token sees earlier-or-same positions of its own segment)
+and ``"dropout_seed"`` ``[b]`` int32 (training batches with dropout: without it no dropout
+runs). The layers read them through a :class:`LayerContext`.
+
+Dropout masks do not depend on the layout: sample ``i``'s key is ``fold_in(key(0),
+dropout_seed[i])``, then the global layer index and a per-site tag are folded in, the mask is
+drawn at the sample's global shape (``[s, h]`` for hidden dropout; ``[s, s]`` per global head
+index for attention dropout) and each rank keeps what it holds (its sequence shard under
+sequence parallelism, its heads under tp).
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.fusions import FusedLayerNorm
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
+from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel import (
     ColumnParallelLinear,
@@ -29,7 +44,7 @@ from core.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from core.tensor_parallel.fast_vjp import linear
-from core.tensor_parallel.layers import default_init_method
+from core.tensor_parallel.layers import build_norm, default_init_method
 from core.tensor_parallel.utils import divide
 
 
@@ -37,27 +52,107 @@ def _normal(std: float):
     return lambda key, shape, dtype=jnp.float32: jax.random.normal(key, shape, dtype) * std
 
 
-def layer_norm(config: GPTConfig, name: str) -> FusedLayerNorm:
-    """A LayerNorm whose params are tagged sequence-parallel when the activations are shards."""
-    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=config.sequence_parallel)
-    return FusedLayerNorm(epsilon=config.layernorm_epsilon, scale_init=meta(nn.initializers.ones),
-                          bias_init=meta(nn.initializers.zeros), name=name)
+def _padded_rows(init, rows: int):
+    """``init`` drawn for ``rows`` rows (the real vocabulary) with zero rows appended up to the
+    requested (padded) shape: the real rows do not depend on the padding."""
+
+    def fn(key, shape, dtype=jnp.float32):
+        if shape[0] == rows:
+            return init(key, shape, dtype)
+        real = init(key, (rows,) + tuple(shape[1:]), dtype)
+        return jnp.concatenate([real, jnp.zeros((shape[0] - rows,) + tuple(shape[1:]), dtype)])
+
+    return fn
 
 
-def apply_rotary(x: jax.Array, base: float, layout: str = "bnsd") -> jax.Array:
+@flax.struct.dataclass
+class LayerContext:
+    """What the layers read from the microbatch besides the activations (see module docstring)."""
+
+    position_ids: jax.Array | None = None
+    """``[b, s]`` positions (None: ``arange(s)``)."""
+    segment_ids: jax.Array | None = None
+    """``[b, s]`` document ids for the document-causal mask (None: plain causal)."""
+    dropout_seed: jax.Array | None = None
+    """``[b]`` per-sample dropout seeds (None: no dropout)."""
+    layer_index: Any = 0
+    """Global index of the layer being run (folded into its dropout keys)."""
+
+    @classmethod
+    def from_batch(cls, batch: Any, layer_index: Any = 0) -> LayerContext:
+        """The context of a microbatch dict (anything else, e.g. bare tokens, has no options)."""
+        if not isinstance(batch, dict):
+            return cls(layer_index=layer_index)
+        return cls(batch.get("position_ids"), batch.get("segment_ids"), batch.get("dropout_seed"), layer_index)
+
+
+# Dropout sites (folded into each sample's key after the layer index).
+DROPOUT_EMBEDDING, DROPOUT_ATTENTION_PROBS, DROPOUT_ATTENTION_OUTPUT, DROPOUT_MLP_OUTPUT = range(4)
+
+
+def dropout_keys(dropout_seed: jax.Array, layer_index: Any, site: int) -> jax.Array:
+    """``[b]`` keys of one dropout site: ``fold_in(fold_in(fold_in(key(0), seed_i), layer), site)``."""
+    base = jax.random.key(0)
+    one = lambda seed: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(base, seed), layer_index), site)
+    return jax.vmap(one)(dropout_seed)
+
+
+def hidden_dropout(x: jax.Array, ctx: LayerContext | None, rate: float, site: int,
+                   sequence_parallel: bool) -> jax.Array:
+    """Dropout on ``[s(/tp), b, h]`` activations with each sample's ``[s, h]`` mask (its sequence
+    shard under sequence parallelism); the identity without a rate or a ``dropout_seed``."""
+    if rate == 0.0 or ctx is None or ctx.dropout_seed is None:
+        return x
+    s_local, _, h = x.shape
+    tp = lax.axis_size(TP_AXIS) if sequence_parallel else 1
+    keys = dropout_keys(ctx.dropout_seed, ctx.layer_index, site)
+    keep = jnp.swapaxes(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, (s_local * tp, h)))(keys), 0, 1)
+    if sequence_parallel:
+        keep = lax.dynamic_slice_in_dim(keep, lax.axis_index(TP_AXIS) * s_local, s_local, axis=0)
+    return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def attention_dropout_keep(ctx: LayerContext, rate: float, local_heads: int, s: int) -> jax.Array:
+    """``[b, local_heads, s, s]`` keep-mask of the attention probabilities: per sample and global
+    head index (this tp rank's heads are ``rank * local_heads ...``) an ``[s, s]`` draw."""
+    keys = dropout_keys(ctx.dropout_seed, ctx.layer_index, DROPOUT_ATTENTION_PROBS)
+    heads = lax.axis_index(TP_AXIS) * local_heads + jnp.arange(local_heads)
+    draw = lambda k, head: jax.random.bernoulli(jax.random.fold_in(k, head), 1.0 - rate, (s, s))
+    return jax.vmap(lambda k: jax.vmap(lambda head: draw(k, head))(heads))(keys)
+
+
+def layer_norm(config: GPTConfig, name: str) -> nn.Module:
+    """The configured norm (``config.normalization``: LayerNorm or RMSNorm, epsilon
+    ``layernorm_epsilon``), params tagged sequence-parallel when the activations are shards."""
+    return build_norm(config.normalization, config.layernorm_epsilon, config.sequence_parallel, name)
+
+
+def apply_rotary(x: jax.Array, base: float, layout: str = "bnsd", positions: jax.Array | None = None,
+                 rotary_dim: int | None = None) -> jax.Array:
     """Rotary position embedding on ``[b, heads, s, d]`` (``layout="bnsd"``) or ``[b, s, heads,
-    d]`` (``"bsnd"``): positions 0..s-1, rotate-half form."""
+    d]`` (``"bsnd"``), rotate-half form: positions ``positions`` (``[b, s]``; default 0..s-1),
+    only the first ``rotary_dim`` channels of each head rotated (default all; Megatron's
+    ``rotary_percent``, frequencies over the rotated width), the rest passed through."""
     seq_axis = layout.index("s")
     s, d = x.shape[seq_axis], x.shape[-1]
-    inv_freq = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    if seq_axis == 1:  # [s, d] -> [s, 1, d], broadcast over the heads that follow the sequence
-        angles = angles[:, None, :]
+    rot = d if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (base ** (jnp.arange(0, rot, 2, dtype=jnp.float32) / rot))
+    if positions is None:
+        angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+        if seq_axis == 1:  # [s, d] -> [s, 1, d], broadcast over the heads that follow the sequence
+            angles = angles[:, None, :]
+    else:  # [b, s, d/2] -> [b, 1, s, d/2] (bnsd) or [b, s, 1, d/2] (bsnd)
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq
+        angles = angles[:, None] if seq_axis == 2 else angles[:, :, None]
     cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)
     sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    xr = x if rot == d else x[..., :rot]
+    x1, x2 = jnp.split(xr.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+    out = xr.astype(jnp.float32) * cos + rotated * sin
+    if rot != d:
+        out = jnp.concatenate([out, x[..., rot:].astype(jnp.float32)], axis=-1)
+    return out.astype(x.dtype)
 
 
 # Where split_qkv sends [s, b, heads, 3, d] for each layout, and the way back.
@@ -92,56 +187,119 @@ def _split_qkv_bwd(layout: str, _, grads: tuple[jax.Array, jax.Array, jax.Array]
 
 split_qkv.defvjp(_split_qkv_fwd, _split_qkv_bwd)
 
+# [s, b, heads, d] to each layout.
+_FROM_SBND = {"bnsd": (1, 2, 0, 3), "bsnd": (1, 0, 2, 3)}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def split_qkv_grouped(qkv: jax.Array, layout: str = "bnsd") -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Grouped-query ``[s, b, groups, r + 2, d]`` projections (each group: its ``r`` query heads,
+    then its key, then its value; Megatron's layout) -> q ``groups * r`` heads, k and v
+    ``groups`` heads, in attention's ``layout`` (see :func:`split_qkv`).
+
+    Like :func:`split_qkv`, the VJP concatenates the three gradients once instead of letting
+    autodiff pad each slice's gradient to the full shape and add them.
+    """
+    s, b, g, r2, d = qkv.shape
+    r = r2 - 2
+    q = qkv[:, :, :, :r].reshape(s, b, g * r, d)
+    k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
+    return tuple(jnp.transpose(x, _FROM_SBND[layout]) for x in (q, k, v))
+
+
+def _split_qkv_grouped_fwd(qkv: jax.Array, layout: str):
+    return split_qkv_grouped(qkv, layout), None
+
+
+def _split_qkv_grouped_bwd(layout: str, _, grads: tuple[jax.Array, jax.Array, jax.Array]):
+    dq, dk, dv = (jnp.transpose(g, _UNSPLIT[layout]) for g in grads)  # [s, b, heads, d]
+    s, b, g, d = dk.shape
+    dq = dq.reshape(s, b, g, dq.shape[2] // g, d)
+    return (jnp.concatenate([dq, dk[:, :, :, None], dv[:, :, :, None]], axis=3),)
+
+
+split_qkv_grouped.defvjp(_split_qkv_grouped_fwd, _split_qkv_grouped_bwd)
+
 
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over tp (Megatron's ``SelfAttention``).
 
-    The fused QKV weight is laid out head-major (``[heads, 3, head_dim]`` rows), so splitting its
-    rows over tp gives each rank whole heads.
+    The fused QKV weight is laid out by query group, as Megatron's: ``[groups, r + 2, head_dim]``
+    rows (the group's ``r = heads / groups`` query heads, then its key, then its value; with
+    one group per head, plain multi-head attention, that is ``[heads, 3, head_dim]``), so
+    splitting its rows over tp gives each rank whole groups with their query heads.
     """
 
     config: GPTConfig
     """Model hyper-parameters."""
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: LayerContext | None = None) -> jax.Array:
         """``[s(/tp), b, h] -> [s(/tp), b, h]`` (before the residual add)."""
         cfg = self.config
-        h, heads = cfg.hidden_size, cfg.num_attention_heads
-        head_dim = h // heads
-        qkv, _ = ColumnParallelLinear(h, 3 * h, sequence_parallel=cfg.sequence_parallel,
+        ctx = ctx if ctx is not None else LayerContext()
+        h, heads, groups, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        r = heads // groups
+        qkv, _ = ColumnParallelLinear(h, (heads + 2 * groups) * head_dim, bias=cfg.add_bias_linear,
+                                      sequence_parallel=cfg.sequence_parallel,
                                       init_method=_normal(cfg.init_method_std), name="linear_qkv")(x)
         s, b = qkv.shape[0], qkv.shape[1]
-        local_heads = qkv.shape[-1] // (3 * head_dim)
+        local_groups = qkv.shape[-1] // ((r + 2) * head_dim)
+        local_heads = local_groups * r
         layout = preferred_layout()  # the backend's attention reads it without a transpose
-        q, k, v = split_qkv(qkv.reshape(s, b, local_heads, 3, head_dim), layout)
+        if r == 1:
+            q, k, v = split_qkv(qkv.reshape(s, b, local_heads, 3, head_dim), layout)
+        else:
+            q, k, v = split_qkv_grouped(qkv.reshape(s, b, local_groups, r + 2, head_dim), layout)
         if cfg.position_embedding_type == "rope":
-            q, k = apply_rotary(q, cfg.rotary_base, layout), apply_rotary(k, cfg.rotary_base, layout)
-        ctx = causal_attention(q, k, v, layout)
-        ctx = jnp.transpose(ctx, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
+            rotary = partial(apply_rotary, base=cfg.rotary_base, layout=layout, positions=ctx.position_ids,
+                             rotary_dim=cfg.rotary_dim)
+            q, k = rotary(q), rotary(k)
+        keep = None
+        if cfg.attention_dropout and ctx.dropout_seed is not None:
+            keep = attention_dropout_keep(ctx, cfg.attention_dropout, local_heads, s)
+        out = causal_attention(q, k, v, layout, segment_ids=ctx.segment_ids, dropout_keep=keep,
+                               dropout_rate=cfg.attention_dropout)
+        out = jnp.transpose(out, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
         # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
-        out_std = cfg.init_method_std / (2.0 * cfg.num_layers) ** 0.5
-        out, _ = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=cfg.sequence_parallel,
-                                   init_method=_normal(out_std), name="linear_proj")(ctx)
+        out, _ = RowParallelLinear(h, h, bias=cfg.add_bias_linear, input_is_parallel=True,
+                                   sequence_parallel=cfg.sequence_parallel,
+                                   init_method=_normal(output_init_std(cfg)), name="linear_proj")(out)
         return out
 
 
+def output_init_std(config: GPTConfig) -> float:
+    """Megatron's scaled init of the layers' output projections: ``std / sqrt(2 * num_layers)``."""
+    return config.init_method_std / (2.0 * config.num_layers) ** 0.5
+
+
 class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer: ``x + Attn(LN(x))``, then ``y + MLP(LN(y))``."""
+    """Pre-norm transformer layer: ``x + Dropout(Attn(Norm(x)))``, then ``y + Dropout(MLP(Norm(y)))``."""
 
     config: GPTConfig
     """Model hyper-parameters."""
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """One layer on ``[s(/tp), b, h]`` activations."""
+    def __call__(self, x: jax.Array, ctx: LayerContext | None = None) -> jax.Array:
+        """One layer on ``[s(/tp), b, h]`` activations; ``ctx`` carries the microbatch's options
+        and this layer's global index."""
         cfg = self.config
-        x = x + ParallelAttention(cfg, name="self_attention")(layer_norm(cfg, "input_layernorm")(x))
-        return ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=cfg.sequence_parallel, name="mlp")(x)
+        sp = cfg.sequence_parallel
+        attn = ParallelAttention(cfg, name="self_attention")(layer_norm(cfg, "input_layernorm")(x), ctx)
+        x = x + hidden_dropout(attn, ctx, cfg.hidden_dropout, DROPOUT_ATTENTION_OUTPUT, sp)
+        dropout_fn = None
+        if cfg.hidden_dropout and ctx is not None and ctx.dropout_seed is not None:
+            dropout_fn = partial(hidden_dropout, ctx=ctx, rate=cfg.hidden_dropout, site=DROPOUT_MLP_OUTPUT,
+                                 sequence_parallel=sp)
+        mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=sp, gated_linear_unit=cfg.swiglu,
+                          bias=cfg.add_bias_linear, normalization=cfg.normalization, epsilon=cfg.layernorm_epsilon,
+                          init_method=_normal(cfg.init_method_std),
+                          output_layer_init_method=_normal(output_init_std(cfg)), name="mlp")
+        return mlp(x, dropout_fn)
 
 
 class GPTEmbedding(nn.Module):
-    """Word embedding (vocabulary split over tp) plus learned absolute positions.
+    """Word embedding (vocabulary split over tp) plus learned absolute positions, then hidden dropout.
 
     Returns ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` shard under sequence parallelism.
     """
@@ -150,13 +308,14 @@ class GPTEmbedding(nn.Module):
     """Model hyper-parameters."""
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Embed ``[b, s]`` token ids."""
+    def __call__(self, tokens: jax.Array, ctx: LayerContext | None = None) -> jax.Array:
+        """Embed ``[b, s]`` token ids (positions and dropout seeds from ``ctx``)."""
         cfg = self.config
+        ctx = ctx if ctx is not None else LayerContext()
         sp = cfg.sequence_parallel
-        x = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, reduce_scatter_embeddings=sp,
-                                   init_method=_normal(cfg.init_method_std), shared_embedding=True,
-                                   name="word_embeddings")(tokens)
+        x = VocabParallelEmbedding(cfg.vocab_rows, cfg.hidden_size, reduce_scatter_embeddings=sp,
+                                   init_method=_padded_rows(_normal(cfg.init_method_std), cfg.vocab_size),
+                                   shared_embedding=True, name="word_embeddings")(tokens)
         if not sp:
             x = jnp.swapaxes(x, 0, 1)  # [b, s, h] -> [s, b, h]
         if cfg.position_embedding_type == "learned_absolute":
@@ -164,12 +323,17 @@ class GPTEmbedding(nn.Module):
                 _normal(cfg.init_method_std), (None, None), sequence_parallel=sp), (cfg.seq_length, cfg.hidden_size))
             s_local = x.shape[0]
             start = lax.axis_index("tp") * s_local if sp else 0
-            x = x + lax.dynamic_slice_in_dim(table, start, s_local, axis=0)[:, None, :]
-        return x
+            if ctx.position_ids is None:
+                x = x + lax.dynamic_slice_in_dim(table, start, s_local, axis=0)[:, None, :]
+            else:  # gather each token's row; under SP only this rank's sequence shard
+                positions = lax.dynamic_slice_in_dim(ctx.position_ids, start, s_local, axis=1)
+                x = x + jnp.swapaxes(table[positions], 0, 1)
+        return hidden_dropout(x, ctx.replace(layer_index=0), cfg.hidden_dropout, DROPOUT_EMBEDDING, sp)
 
 
 class GPTOutputHead(nn.Module):
-    """Final LayerNorm and, when untied, the output layer's own ``[V/tp, h]`` weight."""
+    """Final norm and, when untied, the output layer's own ``[V/tp, h]`` weight (``V`` the padded
+    vocabulary: padding rows initialised to zero)."""
 
     config: GPTConfig
     """Model hyper-parameters."""
@@ -181,9 +345,10 @@ class GPTOutputHead(nn.Module):
         x = layer_norm(cfg, "final_layernorm")(x)
         weight = word_embeddings
         if weight is None:
-            local = divide(cfg.vocab_size, lax.axis_size("tp"))
+            local = divide(cfg.vocab_rows, lax.axis_size("tp"))
             weight = self.param("output_layer", with_parallel_metadata(
-                tensor_parallel_init(default_init_method, 0), ("tp", None)), (local, cfg.hidden_size))
+                tensor_parallel_init(_padded_rows(default_init_method, cfg.vocab_size), 0), ("tp", None)),
+                (local, cfg.hidden_size))
         if cfg.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, True)
         else:
@@ -191,6 +356,27 @@ class GPTOutputHead(nn.Module):
         return linear(x, weight.astype(x.dtype))
 
 
-def language_model_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels."""
-    return jnp.mean(vocab_parallel_cross_entropy(logits, jnp.swapaxes(labels, 0, 1)))
+def mask_padded_logits(logits: jax.Array, vocab_size: int, axis_name: str = TP_AXIS) -> jax.Array:
+    """Vocabulary-split logits ``[..., V/tp]`` with the padding ids (``>= vocab_size``, this
+    rank's global id range ``rank * V/tp ...``) set to the dtype's lowest value: they never win
+    the softmax, get zero probability and so carry no loss or gradient."""
+    local = logits.shape[-1]
+    if local * lax.axis_size(axis_name) <= vocab_size:
+        return logits
+    ids = lax.axis_index(axis_name) * local + jnp.arange(local)
+    return jnp.where(ids < vocab_size, logits, jnp.finfo(logits.dtype).min)
+
+
+def language_model_loss(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None,
+                        vocab_size: int | None = None) -> jax.Array:
+    """Next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels:
+    the mean, or with ``loss_mask`` (``[b, s]``) Megatron's ``sum(loss * mask) / sum(mask)``
+    (denominator at least 1). ``vocab_size`` below the logits' (padded) vocabulary masks the
+    padding ids first (:func:`mask_padded_logits`)."""
+    if vocab_size is not None:
+        logits = mask_padded_logits(logits, vocab_size)
+    losses = vocab_parallel_cross_entropy(logits, jnp.swapaxes(labels, 0, 1))
+    if loss_mask is None:
+        return jnp.mean(losses)
+    mask = jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)

@@ -7,6 +7,11 @@ Parameters (global arrays, sharded as their metadata says)::
      "layers": <TransformerLayer params stacked [vpp, L / vpp, ...], dim 1 split over pp>,
      "head":   {"final_layernorm": ..., "output_layer": [V, h] when untied}}
 
+``V`` is ``padded_vocab_size`` (its padding rows start at zero; their logits are masked in the
+loss). A microbatch is the dict of ``core/models/gpt/gpt_layers.py``'s docstring (tokens,
+labels and the optional loss mask, positions, segments and dropout seeds); every entry point
+takes the whole dict so the options reach the layers on both training paths.
+
 Layer ``l`` sits at ``layers[l // (L/vpp), l % (L/vpp)]``, so pipeline rank ``r`` holds, in chunk
 ``c``, the layers of virtual stage ``c * pp + r`` (Megatron's interleaved assignment) and the
 global arrays are the same for every layout with the same ``vpp``. Layer ``l`` is initialised
@@ -29,7 +34,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from core.models.gpt.gpt_config import GPTConfig
-from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, TransformerLayer, language_model_loss
+from core.models.gpt.gpt_layers import (
+    GPTEmbedding,
+    GPTOutputHead,
+    LayerContext,
+    TransformerLayer,
+    language_model_loss,
+)
 from core.parallel_state import PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
@@ -70,25 +81,34 @@ class GPTModel:
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
     # -- forward pieces (inside shard_map, local shapes) ----------------------------------
-    def embed(self, shared: dict, tokens: jax.Array) -> jax.Array:
-        """First stage: ``[b, s]`` ids to ``[s(/tp), b, h]`` activations."""
-        x = self.embedding.apply({"params": self._cast(shared["embedding"])}, tokens)
+    def embed(self, shared: dict, microbatch: dict | jax.Array) -> jax.Array:
+        """First stage: the microbatch's ``[b, s]`` tokens (with its positions and dropout seeds;
+        bare tokens also accepted) to ``[s(/tp), b, h]`` activations."""
+        tokens = microbatch["tokens"] if isinstance(microbatch, dict) else microbatch
+        x = self.embedding.apply({"params": self._cast(shared["embedding"])}, tokens,
+                                 LayerContext.from_batch(microbatch))
         return x.astype(self.config.compute_dtype)
 
-    def run_layers(self, chunk_layers: Any, x: jax.Array) -> jax.Array:
-        """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan."""
-        body = lambda h, lp: (self.layer.apply({"params": lp}, h), None)
+    def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
+                   first_layer: int | jax.Array = 0) -> jax.Array:
+        """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan;
+        ``first_layer`` is the chunk's first global layer index (its dropout keys use it)."""
+        ctx = LayerContext.from_batch(microbatch)
+        body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
         if self.config.recompute_granularity == "full":
             body = jax.checkpoint(body)
-        return lax.scan(body, x, self._cast(chunk_layers), unroll=self.config.unroll_layers)[0]
+        index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
+        return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0]
 
-    def loss(self, shared: dict, x: jax.Array, labels: jax.Array) -> jax.Array:
-        """Last stage: final norm, output layer, mean vocabulary-parallel cross entropy."""
+    def loss(self, shared: dict, x: jax.Array, microbatch: dict | jax.Array) -> jax.Array:
+        """Last stage: final norm, output layer, vocabulary-parallel cross entropy of the
+        microbatch's labels (bare labels also accepted), averaged over its loss mask."""
+        batch = microbatch if isinstance(microbatch, dict) else {"labels": microbatch}
         shared = self._cast(shared)
         word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
             else None
         logits = self.head.apply({"params": shared["head"]}, x, word)
-        return language_model_loss(logits, labels)
+        return language_model_loss(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size)
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Local shape of the activations sent between pipeline stages."""
@@ -102,10 +122,11 @@ class GPTModel:
         """Mean loss of one microbatch through the whole model (no pipelining)."""
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
-        x = self.embed(params, microbatch["tokens"])
-        for c in range(self.vpp):
-            x = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x)
-        return self.loss(params, x, microbatch["labels"])
+        x = self.embed(params, microbatch)
+        for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
+            x = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
+                                c * self.layers_per_chunk)
+        return self.loss(params, x, microbatch)
 
     def _stage_step(self, micro_batch_size: int):
         last = self.pp * self.vpp - 1
@@ -114,9 +135,9 @@ class GPTModel:
 
         def stage_step(chunk, shared, mb, received, vs):
             received = jnp.broadcast_to(received, shape).astype(dtype)
-            x = lax.cond(vs == 0, lambda: self.embed(shared, mb["tokens"]), lambda: received)
-            y = self.run_layers(chunk, x)
-            loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb["labels"]).astype(jnp.float32),
+            x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
+            y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
+            loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
             return y, (loss, {"lm loss": loss})
 
