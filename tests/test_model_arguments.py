@@ -55,7 +55,8 @@ def test_vocabulary_padding_as_megatron(vocab, divisible_by, tp, padded):
 ], ids=["ffn0", "ffn-neg", "lr", "min-lr", "attn-dropout", "hidden-dropout", "rotary", "std", "divisible", "gqa",
         "gqa-tp"])
 def test_values_that_cannot_work_are_refused(flags, message):
-    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *flags])
+    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                       "--global-batch-size", "32", *flags])
     with pytest.raises(ArgumentError) as err:
         validate_args(args, 8)
     assert message in str(err.value)

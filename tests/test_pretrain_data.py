@@ -323,8 +323,6 @@ def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
     assert np.isfinite(trainer.evaluate())
 
 
-@pytest.mark.xfail(reason="needs the model side of the batch contract (loss_mask, position_ids, segment_ids): "
-                          "remove this mark once it is merged", strict=False)
 def test_model_honours_the_batch_fields(bpe, prefixes):
     """Each field changes the validation loss of a batch with documents ending in it, and its
     neutral value (all ones, 0..s-1, all zeros) does not."""

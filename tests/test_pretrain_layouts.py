@@ -30,3 +30,13 @@ def test_llama_loss_trajectory_matches_single_device(llama_reference, extra):
     losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + extra)
     assert reference[-1] < reference[0] - 0.5  # it learns
     np.testing.assert_allclose(losses, reference, rtol=1e-4)
+
+
+def test_dropout_is_layout_invariant():
+    # Masks come from each sample's dropout_seed (seed and position in the run), the global layer
+    # index and the site, drawn at the global shape: the same whatever tp, SP, pp or dp.
+    dropout = LLAMA + ("--attention-dropout", "0.1", "--hidden-dropout", "0.1")
+    reference = reference_losses(iters=4, extra=dropout)
+    losses = layout_losses(2, 2, jax.devices(), iters=4, extra=dropout + ("--sequence-parallel",))
+    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+    assert not np.allclose(reference, reference_losses(iters=4, extra=LLAMA), rtol=1e-3)  # dropout ran

@@ -338,9 +338,10 @@ class Pretrainer:
     # -- checkpoints -----------------------------------------------------------------------
     def model_record(self) -> dict[str, Any]:
         """The model fields a checkpoint must match: those that shape the parameters (numerics
-        and execution choices such as bf16, SP or recompute may change on resume)."""
+        and execution choices such as bf16, SP, recompute or dropout may change on resume)."""
         record = dataclasses.asdict(self.config)
-        for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers"):
+        for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
+                      "hidden_dropout"):
             record.pop(field)
         return record
 
