@@ -120,8 +120,8 @@ def _run(args, layout, rank: int) -> int:
                  f"layout {layout.describe()}, {layout.num_microbatches} microbatches of {args.micro_batch_size}")
     logger.print(f"> MFU against a peak of {trainer.peak.describe()} per device")
     data = trainer.data
-    logger.print(f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-                 f"seq {args.seq_length}, {n_params / 1e6:.2f}M parameters; data: {data.corpus_description}, "
+    logger.print(f"> GPT: {trainer.config.describe()}, {n_params / 1e6:.2f}M parameters; "
+                 f"data: {data.corpus_description}, "
                  f"{len(data.train_data)} train / {data.num_valid_samples} valid samples, unigram entropy "
                  f"{data.unigram_entropy:.4f} nats")
     if resumed:

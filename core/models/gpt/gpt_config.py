@@ -104,6 +104,26 @@ class GPTConfig:
         logits = 2 * h * self.vocab_rows
         return 3.0 * (layers * per_layer + logits)  # backward = 2x forward
 
+    def describe(self) -> str:
+        """One line naming the shape and the options that differ from the plain GPT."""
+        heads = f"{self.num_attention_heads} heads"
+        if self.num_query_groups not in (None, self.num_attention_heads):
+            heads += f" in {self.num_query_groups} query groups"
+        parts = [f"{self.num_layers} layers", f"hidden {self.hidden_size}", heads, f"ffn {self.ffn_size}",
+                 f"seq {self.seq_length}", self.normalization, "SwiGLU" if self.swiglu else "GELU",
+                 "rope" if self.position_embedding_type == "rope" else "learned positions"]
+        if not self.add_bias_linear:
+            parts.append("no bias")
+        if not self.share_embeddings_and_output_weights:
+            parts.append("untied output")
+        if self.vocab_rows != self.vocab_size:
+            parts.append(f"vocab {self.vocab_size} padded to {self.vocab_rows}")
+        else:
+            parts.append(f"vocab {self.vocab_size}")
+        if self.attention_dropout or self.hidden_dropout:
+            parts.append(f"dropout {self.attention_dropout}/{self.hidden_dropout}")
+        return ", ".join(parts)
+
     def validate(self, tensor_model_parallel_size: int, pipeline_chunks: int) -> None:
         """Raise ``ValueError`` naming the numbers when a size does not divide."""
         tp = tensor_model_parallel_size
