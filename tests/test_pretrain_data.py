@@ -12,9 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
-from pretrain_harness import TINY
+from pretrain_harness import LLAMA, TINY
 
 from core import parallel_state as ps
 from core.data import DataParallelSampler, IndexedDataset, load_corpus
@@ -321,6 +322,23 @@ def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
     assert trainer.iteration == 3 and trainer.data.sampler.consumed_samples == 3 * 16
     assert [trainer.step()["loss"] for _ in range(3)] == later
     assert np.isfinite(trainer.evaluate())
+
+
+def test_llama_on_indexed_data_is_layout_invariant(bpe, prefixes):
+    """The issue's user path: data preprocessed with a BPE, a Llama-class model with Megatron's
+    flags, every batch field (document mask, reset positions, EOD loss mask): the same losses at
+    tp=2 (SP), pp=2, dp=2 as on one device."""
+    flags = TINY + ["--train-iters", "5", *LLAMA, *_data_flags(bpe, prefixes, *ALL_FIELDS)]
+
+    def losses(tp, pp, devices, *extra):
+        args = parse_args(flags + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
+                                   str(pp), *extra])
+        layout = validate_args(args, len(devices))
+        trainer = Pretrainer(args, layout, ps.build_parallel_state(tp, pp, None, devices=devices))
+        return [trainer.step()["loss"] for _ in range(5)]
+
+    reference = losses(1, 1, [jax.local_devices()[0]])
+    np.testing.assert_allclose(losses(2, 2, jax.devices(), "--sequence-parallel"), reference, rtol=1e-4)
 
 
 def test_model_honours_the_batch_fields(bpe, prefixes):
