@@ -1,7 +1,7 @@
 """The data pipeline: Megatron's preprocessing throughput and the data loader's share of a step.
 
-    python bench/data.py            # ~3 min on 2 cores
-    python bench/data.py --quick    # tiny sizes, ~1 min
+    python bench/data.py            # ~1.5 min on 2 cores
+    python bench/data.py --quick    # tiny sizes, ~20 s
 
 1. **Preprocessing**: the built-in corpus (``core.data.load_corpus``: the Python reference shipped
    with CPython) is cut into documents (consecutive paragraphs of at least 1,000 characters,
@@ -223,7 +223,7 @@ def loader_and_step_seconds(trainer: Any, blend: Any, rounds: int, warmup: int =
 def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke run)")
-    p.add_argument("--reps", type=int, default=3, help="preprocessing rounds (median)")
+    p.add_argument("--reps", type=int, default=5, help="preprocessing rounds (median)")
     p.add_argument("--bytelevel-mib", type=float, default=24.0, help="JSONL size for the ByteLevel runs")
     p.add_argument("--bpe-mib", type=float, default=6.0, help="JSONL size for the BPE runs")
     p.add_argument("--bpe-vocab", type=int, default=4096, help="vocabulary of the trained BPE")

@@ -53,4 +53,4 @@ def test_preprocessing_rows_and_loader_share(tmp_path):
 @pytest.mark.parametrize("quick", [True, False])
 def test_arguments(quick):
     a = bench_data._args(["--quick"] if quick else [])
-    assert (a.reps, a.rounds) == ((1, 5) if quick else (3, 30))
+    assert (a.reps, a.rounds) == ((1, 5) if quick else (5, 30))
