@@ -15,12 +15,12 @@
    ``Done:`` line: tokenizing and writing, not the interpreter's start), the whole process's
    wall time, and the 2-worker speed-up. The outputs of 1 and 2 workers must be identical.
 2. **Loader share of a training step**: the ``ByteLevel`` sections corpus and a corpus of single
-   paragraphs (~180 B documents) as two indexed datasets, blended ``0.7 / 0.3`` with
-   ``build_gpt_datasets`` under ``--split 969,30,1`` and Megatron's sample counts for the
-   ``launch/pretrain.py`` defaults; one global batch is the ``global_batch_size`` consecutive
-   samples of the train blend (Megatron's pretraining sampler), their ``tokens``, ``labels``,
-   ``loss_mask`` and ``position_ids`` stacked into numpy arrays and put on the devices as
-   ``PretrainingData`` does (``jax.make_array_from_callback`` over the data-parallel sharding).
+   paragraphs (~180 B documents) as two indexed datasets, blended ``0.7 / 0.3`` under
+   ``--split 969,30,1`` by ``launch/pretrain.py``'s own data pipeline (``PretrainingData``
+   built from its flags: ``build_gpt_datasets`` with Megatron's sample counts); one global
+   batch is ``next_train_batch``: the sampler's next ``global_batch_size`` samples, their
+   ``tokens``, ``labels`` and ``loss_mask`` stacked into numpy arrays and put on the devices
+   (``jax.make_array_from_callback`` over the data-parallel sharding).
    Side by side, round-robin with it: the text-corpus loader the pretraining loop uses today
    (``PretrainingData.next_train_batch``) and one training step of ``Pretrainer`` with the
    ``launch/pretrain.py`` defaults in one process (tp=pp=1, the CPU devices and malloc settings
@@ -46,8 +46,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOOL = ROOT / "tools" / "preprocess_data.py"
@@ -56,8 +54,6 @@ SPLIT = "969,30,1"
 """Megatron's ``--split`` of the loader's blend."""
 BLEND_WEIGHTS = (0.7, 0.3)
 """Weights of the sections and the paragraphs datasets in the loader's blend."""
-FIELDS = {"tokens": np.int32, "labels": np.int32, "loss_mask": np.float32, "position_ids": np.int32}
-"""Megatron's sample fields and the dtypes they go to the devices in (JAX's default 32-bit types)."""
 
 
 # -- the corpus -------------------------------------------------------------------------------
@@ -154,28 +150,15 @@ def megatron_num_samples(args: argparse.Namespace) -> list[int]:
             args.eval_iters * args.global_batch_size]
 
 
-def build_train_blend(prefixes: Sequence[str], args: argparse.Namespace, cache_dir: str) -> Any:
-    """The train ``BlendedDataset`` of ``prefixes`` (weights :data:`BLEND_WEIGHTS`) under :data:`SPLIT`."""
-    from core.data import GPTDatasetConfig, build_gpt_datasets, build_tokenizer
+def indexed_data(prefixes: Sequence[str], trainer: Any, cache_dir: str) -> Any:
+    """``launch/pretrain.py``'s data pipeline (``PretrainingData``) on the blend of ``prefixes``
+    (weights :data:`BLEND_WEIGHTS`, ``--split`` :data:`SPLIT`, ByteLevel) for ``trainer``'s flags."""
+    from core.training.arguments import parse_args
+    from core.training.pretrainer import PretrainingData
 
-    config = GPTDatasetConfig(sequence_length=args.seq_length, random_seed=args.seed,
-                              eod_token=build_tokenizer("ByteLevel").eod, path_to_cache=cache_dir)
     data_path = [str(x) for pair in zip(BLEND_WEIGHTS, prefixes) for x in pair]
-    train, _, _ = build_gpt_datasets(data_path, SPLIT, megatron_num_samples(args), config)
-    return train
-
-
-def global_batch(dataset: Any, step: int, size: int) -> dict[str, np.ndarray]:
-    """Global batch ``step``: samples ``[step * size, (step + 1) * size)`` (mod the length), fields stacked."""
-    samples = [dataset[(step * size + i) % len(dataset)] for i in range(size)]
-    return {key: np.stack([s[key] for s in samples]).astype(dtype, copy=False) for key, dtype in FIELDS.items()}
-
-
-def to_devices(batch: dict[str, np.ndarray], sharding: Any) -> dict[str, Any]:
-    """The batch as global arrays over ``sharding`` (each device its rows), as ``PretrainingData`` does."""
-    import jax
-
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in batch.items()}
+    flags = [*trainer.argv, "--data-path", *data_path, "--split", SPLIT, "--data-cache-path", cache_dir]
+    return PretrainingData(parse_args(flags), trainer.state)
 
 
 def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None = None) -> Any:
@@ -190,23 +173,24 @@ def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None =
     args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--no-progress-bar", *argv])
     layout = validate_args(args, len(devices))
-    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=devices))
+    trainer = Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=devices))
+    trainer.argv = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *argv]
+    return trainer
 
 
-def loader_and_step_seconds(trainer: Any, blend: Any, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Per round, each waited for: a Megatron global batch on the devices (``megatron``; its numpy
-    part ``megatron_host``), the text loader's batch (``text``), one training step (``step``);
-    the seconds of ``rounds`` rounds after ``warmup``."""
+def loader_and_step_seconds(trainer: Any, indexed: Any, rounds: int, warmup: int = 2) -> dict[str, list[float]]:
+    """Per round, each waited for: the next global batch of the indexed pipeline on the devices
+    (``megatron``; its numpy part ``megatron_host``), the text loader's batch (``text``), one
+    training step (``step``); the seconds of ``rounds`` rounds after ``warmup``."""
     import jax
 
-    gbs, sharding = trainer.args.global_batch_size, trainer.data.batch_sharding
     params, opt_state = trainer.params, trainer.opt_state
     times: dict[str, list[float]] = {"megatron": [], "megatron_host": [], "text": [], "step": []}
     for i in range(warmup + rounds):
         t0 = time.perf_counter()
-        host = global_batch(blend, i, gbs)
+        host = indexed.next_train_host_batch()
         t1 = time.perf_counter()
-        jax.block_until_ready(to_devices(host, sharding))
+        jax.block_until_ready(indexed.to_global(host))
         t2 = time.perf_counter()
         batch = jax.block_until_ready(trainer.data.next_train_batch())
         t3 = time.perf_counter()
@@ -297,14 +281,15 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         trainer = default_pretrainer()
         start = time.perf_counter()
-        blend = build_train_blend([str(prefixes["sections"]), str(prefixes["paragraphs"])], trainer.args,
-                                  str(workdir / "cache"))
+        indexed = indexed_data([str(prefixes["sections"]), str(prefixes["paragraphs"])], trainer,
+                               str(workdir / "cache"))
         build_s = time.perf_counter() - start
-        times = loader_and_step_seconds(trainer, blend, a.rounds)
+        times = loader_and_step_seconds(trainer, indexed, a.rounds)
     args, n = trainer.args, jax.device_count()
     describe = {
-        "megatron": f"Megatron loader: `BlendedDataset` {BLEND_WEIGHTS[0]}/{BLEND_WEIGHTS[1]} of 2 `GPTDataset`s, "
-                    f"{args.global_batch_size} x {args.seq_length}, 4 fields, to {n} devices",
+        "megatron": f"indexed data (`PretrainingData.next_train_batch`): `BlendedDataset` "
+                    f"{BLEND_WEIGHTS[0]}/{BLEND_WEIGHTS[1]} of 2 `GPTDataset`s, {args.global_batch_size} x "
+                    f"{args.seq_length}, tokens/labels/loss_mask, to {n} devices",
         "megatron_host": "of which samples and numpy stacking (the rest: to the devices)",
         "text": "text-corpus loader today (`PretrainingData.next_train_batch`)",
         "step": f"training step, `launch/pretrain.py` defaults, tp=pp=1, dp={n} ({jax.devices()[0].platform})"}
@@ -312,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_table = loader_table(times, describe)
     verdict = "met" if share < 0.02 else "NOT met"
     print(f"\n{load_table}\n\nMegatron loader share {100 * share:.2f}% of the step: target < 2% {verdict}; "
-          f"index build (once, cache miss) {build_s:.2f} s")
+          f"pipeline build with its indices (once, cache miss) {build_s:.2f} s")
     load_end = os.getloadavg()[0]
     same = all(r["identical"] for r in rows)
     header = (f"`python bench/data.py{' --quick' if a.quick else ''}`, {time.strftime('%Y-%m-%d')}, {a.machine}; "
@@ -322,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"medians; rates over the tool's own time; outputs of 1 and 2 workers identical: "
               f"{'yes' if same else 'NO'}):\n\n{pre_table}\n\nData loader vs training step (median of {a.rounds} "
               f"round-robin rounds; `--split {SPLIT}`):\n\n{load_table}\n\nMegatron loader share: "
-              f"**{100 * share:.2f}%** (target < 2%: {verdict}); index build once (cache miss): {build_s:.2f} s.\n")
+              f"**{100 * share:.2f}%** (target < 2%: {verdict}); pipeline build with its indices once (cache "
+              f"miss): {build_s:.2f} s.\n")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(report)
     print(f"wrote {a.out}")

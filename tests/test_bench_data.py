@@ -38,12 +38,12 @@ def test_preprocessing_rows_and_loader_share(tmp_path):
     bench_data.write_jsonl(tmp_path / "p.jsonl", paragraphs, 0)
     bench_data.run_preprocess(tmp_path / "p.jsonl", tmp_path / "p", ["--tokenizer-type", "ByteLevel"], 1)
     trainer = bench_data.default_pretrainer([*TINY, "--num-layers", "1", "--train-iters", "4"], jax.devices()[:2])
-    blend = bench_data.build_train_blend([str(tmp_path / "ByteLevel_w1_text_document"),
-                                          str(tmp_path / "p_text_document")], trainer.args, str(tmp_path / "cache"))
-    assert len(blend) == trainer.args.train_iters * trainer.args.global_batch_size
-    batch = bench_data.global_batch(blend, 0, 16)
-    assert {k: v.shape for k, v in batch.items()} == {k: (16, 32) for k in bench_data.FIELDS}
-    times = bench_data.loader_and_step_seconds(trainer, blend, rounds=2, warmup=1)
+    indexed = bench_data.indexed_data([str(tmp_path / "ByteLevel_w1_text_document"), str(tmp_path / "p_text_document")],
+                                      trainer, str(tmp_path / "cache"))
+    assert len(indexed.train_data) == trainer.args.train_iters * trainer.args.global_batch_size
+    batch = indexed.next_train_host_batch()
+    assert {k: v.shape for k, v in batch.items()} == {k: (16, 32) for k in ("tokens", "labels", "loss_mask")}
+    times = bench_data.loader_and_step_seconds(trainer, indexed, rounds=2, warmup=1)
     assert set(times) == {"megatron", "megatron_host", "text", "step"}
     assert all(len(ts) == 2 and all(_positive(t) for t in ts) for ts in times.values())
     table = bench_data.loader_table(times, {k: k for k in times})

@@ -347,7 +347,7 @@ def test_model_honours_the_batch_fields(bpe, prefixes):
     trainer = _trainer(bpe, prefixes, 1, 1)
     batch = trainer.data.valid_host_batch(0)
     assert (batch["tokens"] == trainer.data.tokenizer.eod).any()
-    loss = lambda b: float(trainer.eval_step(trainer.params, trainer.data._to_global(b)))
+    loss = lambda b: float(trainer.eval_step(trainer.params, trainer.data.to_global(b)))
     base = {"tokens": batch["tokens"], "labels": batch["labels"]}
     reference = loss(base)
     neutral = {"loss_mask": np.ones_like(batch["loss_mask"]),

@@ -219,7 +219,8 @@ class PretrainingData:
     def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
         return self._indexed_batch(dataset, indices) if self.indexed else get_batch(dataset, indices)
 
-    def _to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A host batch as global arrays over the data-parallel sharding (each device its rows)."""
         return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
                 for k, v in batch.items()}
 
@@ -234,7 +235,7 @@ class PretrainingData:
 
     def next_train_batch(self) -> dict[str, jax.Array]:
         """The next global batch (advances the sampler's consumed samples)."""
-        return self._to_global(self.next_train_host_batch())
+        return self.to_global(self.next_train_host_batch())
 
     def valid_host_batch(self, i: int) -> dict[str, np.ndarray]:
         """Validation batch ``i`` as numpy arrays (a fixed set, the same at every evaluation; no dropout)."""
@@ -245,7 +246,7 @@ class PretrainingData:
 
     def valid_batch(self, i: int) -> dict[str, jax.Array]:
         """Validation batch ``i`` (a fixed set, the same at every evaluation)."""
-        return self._to_global(self.valid_host_batch(i))
+        return self.to_global(self.valid_host_batch(i))
 
 
 class Pretrainer:
