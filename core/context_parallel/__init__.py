@@ -1,0 +1,32 @@
+"""Context parallelism: the sequence split over the ``"cp"`` mesh axis.
+
+* :mod:`~core.context_parallel.load_balance`: the load-balanced chunk order for causal
+  attention (rank ``r`` holds chunks ``r`` and ``2cp-1-r``), its inverse, local global positions.
+* :mod:`~core.context_parallel.ring_attention`: ring (``p2p``) attention, K/V rotated by ``ppermute``.
+* :mod:`~core.context_parallel.all_gather_attention`: K/V all-gathered, queries local.
+* :mod:`~core.context_parallel.dispatch`: :func:`context_parallel_attention` by ``comm_type``.
+"""
+
+from core.context_parallel.all_gather_attention import all_gather_attention
+from core.context_parallel.dispatch import COMM_TYPES, context_parallel_attention
+from core.context_parallel.load_balance import (
+    cp_positions,
+    load_balance_chunk_order,
+    load_balance_permutation,
+    reorder_for_cp,
+    restore_from_cp,
+)
+from core.context_parallel.ring_attention import block_products, ring_attention
+
+__all__ = [
+    "COMM_TYPES",
+    "all_gather_attention",
+    "block_products",
+    "context_parallel_attention",
+    "cp_positions",
+    "load_balance_chunk_order",
+    "load_balance_permutation",
+    "reorder_for_cp",
+    "restore_from_cp",
+    "ring_attention",
+]

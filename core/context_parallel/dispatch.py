@@ -1,0 +1,27 @@
+"""One entry point for context-parallel attention, by communication type (Megatron's ``--cp-comm-type``)."""
+
+from __future__ import annotations
+
+import jax
+
+from core.context_parallel.all_gather_attention import all_gather_attention
+from core.context_parallel.ring_attention import ring_attention
+
+COMM_TYPES = ("p2p", "all_gather")
+"""Supported ``comm_type`` values: ring exchange of K/V blocks, or an all-gather of K/V."""
+
+
+def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, comm_type: str = "p2p",
+                               axis_name: str = "cp", causal: bool = True, load_balanced: bool = True,
+                               layout: str = "bnsd", scale: float | None = None) -> jax.Array:
+    """Attention over a sequence split across the context-parallel axis ``axis_name``, called inside
+    ``jax.shard_map`` with this rank's local q/k/v; ``comm_type`` is ``"p2p"``
+    (:func:`~core.context_parallel.ring_attention.ring_attention`) or ``"all_gather"``
+    (:func:`~core.context_parallel.all_gather_attention.all_gather_attention`). Raises
+    ``ValueError`` for an unknown ``comm_type`` or layout, mismatched shapes, or (with
+    ``load_balanced``) a local sequence that does not split into the rank's two chunks.
+    """
+    if comm_type not in COMM_TYPES:
+        raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
+    fn = ring_attention if comm_type == "p2p" else all_gather_attention
+    return fn(q, k, v, axis_name=axis_name, causal=causal, load_balanced=load_balanced, layout=layout, scale=scale)

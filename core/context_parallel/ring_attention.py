@@ -1,0 +1,261 @@
+"""Ring attention (Megatron's ``--cp-comm-type p2p``): K/V blocks travel around the cp ring.
+
+Called inside ``jax.shard_map`` on one context-parallel rank's local sequence. Each of the
+``cp`` steps computes the local queries against the K/V block currently held while
+``lax.ppermute`` passes that block on to the next rank, so the exchange can overlap the
+compute and no rank ever holds more than two K/V blocks. Softmax is blockwise and online in
+float32: each block product returns its normalised output and row log-sum-exp (LSE), merged
+into per-chunk accumulators. The backward (``jax.custom_vjp``) saves only q, k, v, the output
+and the LSE; it recomputes every block's probabilities and sends dK/dV accumulators around the
+ring together with K/V, so after one more hop each rank holds the gradients of its own K/V.
+
+Causal schedule. The local sequence is cut into *slots*: with ``load_balanced`` two (chunks
+``r`` and ``2cp-1-r`` of the ``2 cp`` global chunks, see ``load_balance.py``), else one (chunk
+``r`` of ``cp``). At step ``t`` rank ``r`` holds the K/V of source rank ``j = (r - t) mod cp``,
+and :data:`_SCHEDULES` lists which (query slot, key slot) products that needs: step 0 is the
+local diagonal, then ``j < r`` ("below") or ``j > r`` ("above"). Products entirely above the
+causal diagonal are absent from the table, so they are never computed (``lax.cond`` picks the
+branch per rank), not masked. With load balancing each step after the first is two full chunk
+products on every rank; without, rank ``r`` does ``r + 1`` products and the last rank waits
+for nobody but does ``cp`` times the first rank's work. :func:`block_products` counts the table
+entries the kernel runs, from the same table.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.context_parallel._inputs import default_scale, from_grouped, to_grouped
+
+_F32 = jnp.float32
+
+# A product is (query slot, key slot, causal-diagonal mask?). Step cases: "diag" (own K/V),
+# "below" (source rank < own rank), "above" (source rank > own rank); non-causal has one case.
+_Product = tuple[int, int, bool]
+_SCHEDULES: dict[tuple[bool, bool], dict[str, tuple[_Product, ...]]] = {
+    # (causal, load_balanced). Own slots hold chunks (r, 2cp-1-r), the source's (j, 2cp-1-j).
+    (True, True): {
+        # r vs r causal, 2cp-1-r vs r full, 2cp-1-r vs 2cp-1-r causal; r vs 2cp-1-r is in the future.
+        "diag": ((0, 0, True), (1, 0, False), (1, 1, True)),
+        # j < r: both own chunks see chunk j; chunk 2cp-1-j lies after both.
+        "below": ((0, 0, False), (1, 0, False)),
+        # j > r: only chunk 2cp-1-r sees anything, and it sees both of the source's chunks.
+        "above": ((1, 0, False), (1, 1, False)),
+    },
+    (True, False): {"diag": ((0, 0, True),), "below": ((0, 0, False),), "above": ()},
+    (False, True): {"full": tuple((i, j, False) for i in range(2) for j in range(2))},
+    (False, False): {"full": ((0, 0, False),)},
+}
+
+
+def _source(rank, step, cp):
+    """The rank whose K/V block rank ``rank`` holds at ring step ``step`` (ints or traced)."""
+    return (rank - step) % cp
+
+
+def _step_case(rank: int, step: int, cp: int, causal: bool) -> str:
+    """Host-side: which :data:`_SCHEDULES` case ring step ``step`` of ``rank`` runs."""
+    if not causal:
+        return "full"
+    if step == 0:
+        return "diag"
+    return "below" if _source(rank, step, cp) < rank else "above"
+
+
+def block_products(cp: int, load_balanced: bool = True, causal: bool = True) -> list[int]:
+    """Per cp rank, how many (chunk x chunk) block products :func:`ring_attention` computes.
+
+    A chunk is ``seq / (2 cp)`` tokens with ``load_balanced``, else ``seq / cp``; a causal
+    diagonal block counts as one product. Read off the kernel's own schedule table. Causal and
+    load-balanced: ``2 cp + 1`` on every rank (sum: the ``2cp (2cp + 1) / 2`` blocks of the causal
+    triangle); causal without balancing: ``r + 1`` on rank ``r``.
+    """
+    table = _SCHEDULES[(causal, load_balanced)]
+    return [sum(len(table[_step_case(r, t, cp, causal)]) for t in range(cp)) for r in range(cp)]
+
+
+def _split_seq(x: jax.Array, n: int, axis: int) -> tuple[jax.Array, ...]:
+    return tuple(jnp.split(x, n, axis=axis))
+
+
+def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float) -> jax.Array:
+    """float32 ``q k^T * scale`` of ``q: [b, h, g, c, d]``, ``k: [b, h, c, d]``; causal-masked to -inf
+    above the diagonal for a diagonal block (query and key chunk at the same global offset)."""
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=_F32) * scale
+    if diag:
+        c = s.shape[-1]
+        s = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool)), s, -jnp.inf)
+    return s
+
+
+def _block_forward(q, k, v, diag: bool, scale: float):
+    """One block product: its softmax-normalised output (float32) and row LSE."""
+    s = _scores(q, k, diag, scale)
+    m = jnp.max(s, axis=-1, keepdims=True)  # finite: every row has at least its diagonal key
+    p = jnp.exp(s - m)
+    total = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v, preferred_element_type=_F32) / total
+    return out, (m + jnp.log(total))[..., 0]
+
+
+def _merge(acc, block):
+    """Online-softmax merge of a block's (output, LSE) into the accumulator's."""
+    out, lse = acc
+    b_out, b_lse = block
+    new = jnp.logaddexp(lse, b_lse)  # the -inf initial LSE contributes exp(-inf) = 0
+    return out * jnp.exp(lse - new)[..., None] + b_out * jnp.exp(b_lse - new)[..., None], new
+
+
+def _forward_products(products, qs, k, v, acc, scale):
+    ks, vs = _split_seq(k, len(qs), 2), _split_seq(v, len(qs), 2)
+    acc = list(acc)
+    for qi, ki, diag in products:
+        acc[qi] = _merge(acc[qi], _block_forward(qs[qi], ks[ki], vs[ki], diag, scale))
+    return tuple(acc)
+
+
+def _run_step(table, causal, rank, step, cp, fn, *operands):
+    """Run ``fn(products, *operands)`` for ring step ``step`` (static 0 or traced): the case is
+    chosen by ``lax.cond`` on the traced source rank, so the other case's products are not run."""
+    if not causal:
+        return fn(table["full"], *operands)
+    if isinstance(step, int) and step == 0:
+        return fn(table["diag"], *operands)
+    return lax.cond(_source(rank, step, cp) < rank, partial(fn, table["below"]), partial(fn, table["above"]),
+                    *operands)
+
+
+def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale):
+    cp = lax.axis_size(axis_name)
+    rank = lax.axis_index(axis_name)
+    n_slots = 2 if load_balanced else 1
+    table = _SCHEDULES[(causal, load_balanced)]
+    perm = [(i, (i + 1) % cp) for i in range(cp)]
+    qs = _split_seq(q, n_slots, 3)
+    acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
+    step_fn = partial(_forward_products, scale=scale)
+
+    def compute(step, kv, acc):
+        return _run_step(table, causal, rank, step, cp, lambda prods, a, kk, vv: step_fn(prods, qs, kk, vv, a),
+                         acc, *kv)
+
+    kv = (k, v)
+    # Send the block on before computing with it: the transfer can overlap the block products.
+    nxt = lax.ppermute(kv, axis_name, perm) if cp > 1 else kv
+    acc = compute(0, kv, acc)
+    if cp > 1:
+        def body(carry, step):
+            kv, acc = carry
+            nxt = lax.ppermute(kv, axis_name, perm)
+            return (nxt, compute(step, kv, acc)), None
+
+        (kv, acc), _ = lax.scan(body, (nxt, acc), jnp.arange(1, cp - 1))
+        acc = compute(cp - 1, kv, acc)  # the last block needs no onward send
+    out = jnp.concatenate([o for o, _ in acc], axis=3)
+    lse = jnp.concatenate([lse for _, lse in acc], axis=3)
+    return out, lse
+
+
+def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
+    """Flash attention's backward of one block, probabilities recomputed from the saved LSE."""
+    p = jnp.exp(_scores(q, k, diag, scale) - lse[..., None])
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=_F32)
+    dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=_F32)
+    ds = p * (dp - delta[..., None])
+    dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k, preferred_element_type=_F32) * scale
+    dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=_F32) * scale
+    return dq, dk, dv
+
+
+def _backward_products(products, qs, dos, lses, deltas, scale, dq, k, v):
+    """Block gradients of one ring step: dq accumulated locally, this step's dK/dV (float32) returned."""
+    n = len(qs)
+    ks, vs = _split_seq(k, n, 2), _split_seq(v, n, 2)
+    dq = list(dq)
+    dks = [jnp.zeros(x.shape, _F32) for x in ks]
+    dvs = [jnp.zeros(x.shape, _F32) for x in vs]
+    for qi, ki, diag in products:
+        g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale)
+        dq[qi] = dq[qi] + g_q
+        dks[ki] = dks[ki] + g_k
+        dvs[ki] = dvs[ki] + g_v
+    return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+
+
+def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale):
+    cp = lax.axis_size(axis_name)
+    rank = lax.axis_index(axis_name)
+    n_slots = 2 if load_balanced else 1
+    table = _SCHEDULES[(causal, load_balanced)]
+    perm = [(i, (i + 1) % cp) for i in range(cp)]
+    delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
+    qs, dos = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3)
+    lses, deltas = _split_seq(lse, n_slots, 3), _split_seq(delta, n_slots, 3)
+    step_fn = partial(_backward_products, qs=qs, dos=dos, lses=lses, deltas=deltas, scale=scale)
+
+    def compute(step, kv, dq):
+        return _run_step(table, causal, rank, step, cp, lambda prods, g, kk, vv: step_fn(prods, dq=g, k=kk, v=vv),
+                         dq, *kv)
+
+    kv = (k, v)
+    dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
+    nxt = lax.ppermute(kv, axis_name, perm) if cp > 1 else kv
+    dq, dk, dv = compute(0, kv, dq)
+    if cp > 1:
+        def body(carry, step):
+            kv, dkv, dq = carry
+            # The dK/dV accumulators of the block now held arrive while this step computes;
+            # both sends overlap the block products.
+            incoming = lax.ppermute(dkv, axis_name, perm)
+            nxt = lax.ppermute(kv, axis_name, perm)
+            dq, dk, dv = compute(step, kv, dq)
+            return (nxt, (incoming[0] + dk, incoming[1] + dv), dq), None
+
+        (kv, dkv, dq), _ = lax.scan(body, (nxt, (dk, dv), dq), jnp.arange(1, cp - 1))
+        incoming = lax.ppermute(dkv, axis_name, perm)
+        dq, dk, dv = compute(cp - 1, kv, dq)
+        # One more hop brings every accumulator home: after step cp-1 rank r holds rank r+1's.
+        dk, dv = lax.ppermute((incoming[0] + dk, incoming[1] + dv), axis_name, perm)
+    dq = jnp.concatenate(dq, axis=3)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis_name, causal, load_balanced, scale):
+    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale)
+    return out.astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_bwd(axis_name, causal, load_balanced, scale, residuals, d_out):
+    q, k, v, out, lse = residuals
+    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
+                   load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None) -> jax.Array:
+    """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
+    ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
+
+    ``q``, ``k``, ``v``: this rank's local sequence in ``layout`` (``"bnsd"`` or ``"bsnd"``); ``k``/``v``
+    may have fewer heads than ``q`` (grouped-query attention). With ``load_balanced`` the local
+    sequence is the rank's two chunks ``r`` and ``2cp-1-r`` concatenated (the batch reordered by
+    :func:`core.context_parallel.load_balance.reorder_for_cp`), else the contiguous chunk ``r``.
+    ``causal`` masks by global position. Scores, softmax and accumulators are float32 whatever
+    the input dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    """
+    qg, k, v = to_grouped(q, k, v, layout, load_balanced)
+    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale))
+    return from_grouped(out, layout)

@@ -1,0 +1,193 @@
+"""Context-parallel attention (core/context_parallel) against plain attention on one device.
+
+One process, 8 simulated CPU devices; meshes of the first ``cp`` devices with the single axis
+``"cp"``. Global q/k/v are reordered into the load-balanced order (when asked), split over cp by
+``shard_map``, the output and its q/k/v gradients computed there, and the results un-reordered.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from core.context_parallel import (
+    block_products,
+    context_parallel_attention,
+    cp_positions,
+    load_balance_chunk_order,
+    load_balance_permutation,
+    reorder_for_cp,
+    restore_from_cp,
+)
+
+B, H, S, D = 2, 4, 64, 16
+
+
+def _reference(q, k, v, causal=True):
+    """Plain softmax attention on [b, heads, s, d] (K/V heads repeated for GQA), float32."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
+    s = jnp.einsum("bnqd,bnkd->bnqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[2]
+        s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
+    return jnp.einsum("bnqk,bnkd->bnqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _inputs(kv_heads=H, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (B, H, S, D), jnp.float32)
+    k = jax.random.normal(keys[1], (B, kv_heads, S, D), jnp.float32)
+    v = jax.random.normal(keys[2], (B, kv_heads, S, D), jnp.float32)
+    w = jax.random.normal(keys[3], (B, H, S, D), jnp.float32)  # cotangent of the output
+    return tuple(x.astype(dtype) for x in (q, k, v)) + (w,)
+
+
+def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False):
+    """Jitted shard_map: local output and q/k/v grads of sum(out * w), all split over cp."""
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    spec = P(None, None, "cp", None) if layout == "bnsd" else P(None, "cp", None, None)
+    attn = partial(context_parallel_attention, comm_type=comm_type, causal=causal,
+                   load_balanced=load_balanced, layout=layout)
+
+    def local(q, k, v, w):
+        def loss(q, k, v):
+            out = attn(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * w), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4, check_vma=check_vma)
+
+
+def _run(cp, comm_type, load_balanced, causal=True, kv_heads=H, dtype=jnp.float32, layout="bnsd", check_vma=False):
+    q, k, v, w = _inputs(kv_heads, dtype)
+    seq_axis = 2 if layout == "bnsd" else 1
+    prep = (lambda x: reorder_for_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
+    post = (lambda x: restore_from_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
+    args = (q, k, v, w) if layout == "bnsd" else tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, w))
+    outs = jax.jit(_cp_fn(cp, comm_type, load_balanced, causal, layout, check_vma))(*(prep(x) for x in args))
+    outs = tuple(post(x) for x in outs)
+    if layout == "bsnd":
+        outs = tuple(jnp.swapaxes(x, 1, 2) for x in outs)
+    ref_out, vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal), q, k, v)
+    return outs, (ref_out, *vjp(w))
+
+
+def _assert_close(outs, refs, atol):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), outs, refs):
+        assert got.shape == want.shape, name
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=atol, rtol=atol,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("load_balanced", [True, False])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_matches_full_causal_attention(cp, comm_type, load_balanced):
+    outs, refs = _run(cp, comm_type, load_balanced)
+    assert outs[0].dtype == jnp.float32
+    _assert_close(outs, refs, atol=1e-5)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_non_causal(comm_type):
+    _assert_close(*_run(4, comm_type, True, causal=False), atol=1e-5)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_grouped_query_attention(comm_type):
+    outs, refs = _run(4, comm_type, True, kv_heads=2)
+    assert outs[2].shape == (B, 2, S, D)
+    _assert_close(outs, refs, atol=1e-5)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_check_vma(comm_type):
+    # The project's shard_maps use check_vma=False; the functions also trace under JAX's checker.
+    _assert_close(*_run(2, comm_type, True, check_vma=True), atol=1e-5)
+
+
+def test_bsnd_layout():
+    _assert_close(*_run(2, "p2p", True, layout="bsnd"), atol=1e-5)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_bfloat16(comm_type):
+    outs, refs = _run(4, comm_type, True, dtype=jnp.bfloat16)
+    assert all(x.dtype == jnp.bfloat16 for x in outs)
+    # bf16 inputs are the rounded float32 ones; the reference sees the same rounded values.
+    _assert_close(outs, refs, atol=5e-2)
+
+
+def test_block_products_balance():
+    for cp in range(1, 9):
+        balanced = block_products(cp, load_balanced=True)
+        assert balanced == [2 * cp + 1] * cp
+        assert sum(balanced) == 2 * cp * (2 * cp + 1) // 2  # causal triangle of 2cp chunks
+        plain = block_products(cp, load_balanced=False)
+        assert plain == list(range(1, cp + 1))  # rank r: its diagonal and r earlier chunks
+        assert sum(plain) == cp * (cp + 1) // 2
+        assert block_products(cp, load_balanced=True, causal=False) == [4 * cp] * cp
+        assert block_products(cp, load_balanced=False, causal=False) == [cp] * cp
+
+
+def test_reorder_round_trip_and_positions():
+    cp, s = 4, 16
+    assert load_balance_chunk_order(cp).tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
+    x = np.arange(2 * s * 3).reshape(2, s, 3)
+    y = reorder_for_cp(x, cp)
+    assert isinstance(y, np.ndarray)
+    np.testing.assert_array_equal(y, x[:, load_balance_permutation(s, cp)])
+    np.testing.assert_array_equal(restore_from_cp(y, cp), x)
+    # jnp in, jnp out, also under jit and with another sequence axis.
+    xj = jnp.asarray(x).transpose(1, 0, 2)
+    yj = jax.jit(lambda a: reorder_for_cp(a, cp, seq_axis=0))(xj)
+    np.testing.assert_array_equal(np.asarray(yj).transpose(1, 0, 2), y)
+    np.testing.assert_array_equal(np.asarray(restore_from_cp(yj, cp, seq_axis=-3)), np.asarray(xj))
+    # The positions of rank r's local tokens are exactly its slice of the reordered sequence.
+    positions = np.arange(s)
+    for r in range(cp):
+        local = reorder_for_cp(positions, cp, seq_axis=0)[r * s // cp:(r + 1) * s // cp]
+        np.testing.assert_array_equal(cp_positions(r, s, cp), local)
+        np.testing.assert_array_equal(cp_positions(r, s, cp, load_balanced=False), positions[r * 4:(r + 1) * 4])
+    assert cp_positions(1, s, cp).tolist() == [2, 3, 12, 13]
+    # Traced rank inside shard_map.
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    traced = jax.jit(jax.shard_map(lambda: cp_positions(jax.lax.axis_index("cp"), s, cp)[None], mesh=mesh,
+                                   in_specs=(), out_specs=P("cp"), check_vma=False))()
+    np.testing.assert_array_equal(np.asarray(traced).reshape(-1), load_balance_permutation(s, cp))
+
+
+def test_bad_inputs():
+    q = jnp.zeros((1, 4, 6, 8))
+    with pytest.raises(ValueError, match="comm_type"):
+        context_parallel_attention(q, q, q, comm_type="a2a")
+    odd = jnp.zeros((1, 4, 5, 8))
+    for comm_type in ("p2p", "all_gather"):
+        with pytest.raises(ValueError, match="even local sequence"):
+            context_parallel_attention(odd, odd, odd, comm_type=comm_type)
+    with pytest.raises(ValueError, match="layout"):
+        context_parallel_attention(q, q, q, layout="sbnd")
+    with pytest.raises(ValueError, match="multiple of K/V heads"):
+        context_parallel_attention(q, jnp.zeros((1, 3, 6, 8)), jnp.zeros((1, 3, 6, 8)))
+    with pytest.raises(ValueError, match="equal local lengths"):
+        context_parallel_attention(q, jnp.zeros((1, 4, 4, 8)), jnp.zeros((1, 4, 4, 8)))
+    with pytest.raises(ValueError, match="does not split"):
+        reorder_for_cp(np.zeros((2, 12)), 4)
+    with pytest.raises(ValueError, match="does not split"):
+        cp_positions(0, 12, 4)
+
+
+def test_collectives_in_jaxpr():
+    q, k, v, w = (reorder_for_cp(x, 4, seq_axis=2) for x in _inputs())
+    ring = str(jax.make_jaxpr(_cp_fn(4, "p2p", True, True))(q, k, v, w))
+    assert "ppermute" in ring and "all_gather" not in ring
+    gather = str(jax.make_jaxpr(_cp_fn(4, "all_gather", True, True))(q, k, v, w))
+    assert "all_gather" in gather and "ppermute" not in gather
