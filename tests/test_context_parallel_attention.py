@@ -191,3 +191,49 @@ def test_collectives_in_jaxpr():
     assert "ppermute" in ring and "all_gather" not in ring
     gather = str(jax.make_jaxpr(_cp_fn(4, "all_gather", True, True))(q, k, v, w))
     assert "all_gather" in gather and "ppermute" not in gather
+
+
+def _sub_jaxprs(params):
+    """Jaxprs among an equation's params (scan/cond/custom_vjp bodies), found by duck typing so the
+    test does not depend on where a JAX version exports its jaxpr classes."""
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+                yield item.jaxpr
+
+
+def _dots(jaxpr) -> int:
+    """dot_general equations in ``jaxpr`` and every sub-jaxpr (scan bodies, cond branches)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "dot_general"
+        for sub in _sub_jaxprs(eqn.params):
+            count += _dots(sub)
+    return count
+
+
+def _cond_branch_dots(jaxpr) -> list[list[int]]:
+    """Per ``cond`` equation (at any depth), the dot_general count of each branch."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            found.append([_dots(b.jaxpr) for b in eqn.params["branches"]])
+        for sub in _sub_jaxprs(eqn.params):
+            found += _cond_branch_dots(sub)
+    return found
+
+
+@pytest.mark.parametrize("load_balanced", [True, False])
+def test_skipped_blocks_not_computed(load_balanced):
+    # The forward ring's per-step lax.cond: with load balancing both cases run two chunk products
+    # (2 dots each); without, "below" runs one and "above" (entirely in the future) none.
+    cp = 4
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    spec = P(None, None, "cp", None)
+    fn = jax.shard_map(partial(context_parallel_attention, load_balanced=load_balanced), mesh=mesh,
+                       in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    q, k, v, _ = _inputs()
+    branches = _cond_branch_dots(jax.make_jaxpr(fn)(q, k, v).jaxpr)
+    assert branches and all(sorted(b) == ([4, 4] if load_balanced else [0, 2]) for b in branches)
