@@ -16,8 +16,8 @@ and :data:`_SCHEDULES` lists which (query slot, key slot) products that needs: s
 local diagonal, then ``j < r`` ("below") or ``j > r`` ("above"). Products entirely above the
 causal diagonal are absent from the table, so they are never computed (``lax.cond`` picks the
 branch per rank), not masked. With load balancing each step after the first is two full chunk
-products on every rank; without, rank ``r`` does ``r + 1`` products and the last rank waits
-for nobody but does ``cp`` times the first rank's work. :func:`block_products` counts the table
+products on every rank; without, rank ``r`` does ``r + 1`` products, so the last rank does
+``cp`` times the first rank's work and the others wait for it. :func:`block_products` counts the table
 entries the kernel runs, from the same table.
 """
 
@@ -57,13 +57,19 @@ def _source(rank, step, cp):
     return (rank - step) % cp
 
 
+def _below(rank, step, cp):
+    """Whether ring step ``step`` (>= 1) of ``rank`` holds an earlier rank's K/V (ints or traced):
+    the one predicate both the kernel's ``lax.cond`` and :func:`block_products` branch on."""
+    return _source(rank, step, cp) < rank
+
+
 def _step_case(rank: int, step: int, cp: int, causal: bool) -> str:
     """Host-side: which :data:`_SCHEDULES` case ring step ``step`` of ``rank`` runs."""
     if not causal:
         return "full"
     if step == 0:
         return "diag"
-    return "below" if _source(rank, step, cp) < rank else "above"
+    return "below" if _below(rank, step, cp) else "above"
 
 
 def block_products(cp: int, load_balanced: bool = True, causal: bool = True) -> list[int]:
@@ -125,7 +131,7 @@ def _run_step(table, causal, rank, step, cp, fn, *operands):
         return fn(table["full"], *operands)
     if isinstance(step, int) and step == 0:
         return fn(table["diag"], *operands)
-    return lax.cond(_source(rank, step, cp) < rank, partial(fn, table["below"]), partial(fn, table["above"]),
+    return lax.cond(_below(rank, step, cp), partial(fn, table["below"]), partial(fn, table["above"]),
                     *operands)
 
 
