@@ -47,12 +47,13 @@ def test_cp4_learned_positions_tied_embeddings(reference):
 LLAMA_LAYOUTS = [
     (1, 1, ("--context-parallel-size", "2")),  # cp2 dp4
     (2, 1, ("--context-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer")),  # tp2 cp2 dp2
-    (1, 2, ("--context-parallel-size", "2")),  # cp2 pp2 dp2: pipelined, activations [s/cp, b, h]
+    # cp2 pp2 dp2: pipelined, activations [s/cp, b, h] (p2p is refused with pp > 1, see arguments.py)
+    (1, 2, ("--context-parallel-size", "2", "--cp-comm-type", "all_gather")),
     (2, 1, ("--context-parallel-size", "2", "--cp-comm-type", "all_gather")),  # tp2 cp2 dp2, all-gather K/V
 ]
 
 
-@pytest.mark.parametrize("tp,pp,extra", LLAMA_LAYOUTS, ids=["cp2", "tp2-cp2-sp-do", "cp2-pp2", "tp2-cp2-all_gather"])
+@pytest.mark.parametrize("tp,pp,extra", LLAMA_LAYOUTS, ids=["cp2", "tp2-cp2-sp-do", "cp2-pp2-all_gather", "tp2-cp2-all_gather"])
 def test_llama_matches_single_device(llama_reference, tp, pp, extra):
     _assert_matches(layout_records(tp, pp, jax.devices(), ITERS, LLAMA + extra), llama_reference)
 
@@ -60,7 +61,7 @@ def test_llama_matches_single_device(llama_reference, tp, pp, extra):
 def test_batches_are_reordered_and_split_over_cp():
     # Every [b, s] field arrives in the load-balanced order with position ids added; rank (dp, cp)
     # holds its rows and its two chunks.
-    args = parse_args(["--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
                        "--context-parallel-size", "4"])
     layout = validate_args(args, 8)
     state = ps.build_parallel_state(1, 1, context_parallel_size=4, devices=jax.devices())
