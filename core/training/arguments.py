@@ -228,12 +228,15 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
                             f"{args.attention_dropout}, --hidden-dropout {args.hidden_dropout}) is not supported yet: "
                             "the dropout masks are not drawn layout-invariantly under context parallelism")
     if args.cp_comm_type == "p2p" and args.pipeline_model_parallel_size > 1:
-        # Found by tests/test_pretrain_context_parallel.py: inside the pipeline executor's per-slot
-        # lax.cond the ring's ppermute over "cp" gives wrong losses (CPU backend, JAX 0.10); the
-        # all-gather kernel matches the one-device run there.
+        # XLA's CPU collective-permute rendezvouses every device of the program, not only the cp
+        # pairs: inside the pipeline executor's per-slot lax.cond (stages run their forwards in
+        # different slots) a ring step pairs with another stage's and exchanges the wrong K/V
+        # (wrong losses; a hang when a stage skips it). all_gather rendezvouses per cp group.
+        # Not checked on GPU, so refused everywhere for now.
         raise ArgumentError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size "
                             f"{args.pipeline_model_parallel_size} and --cp-comm-type p2p is not supported yet (the "
-                            "ring attention gives wrong results inside pipeline stages); use --cp-comm-type all_gather")
+                            "ring's collective-permutes inside pipeline stages pair up across stages on the CPU "
+                            "backend); use --cp-comm-type all_gather")
     # Both comm types read the same load-balanced order: rank r holds chunks r and 2cp-1-r.
     if s % (2 * cp):
         raise ArgumentError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} "
