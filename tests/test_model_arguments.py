@@ -77,7 +77,7 @@ def test_context_parallel_layout():
 
 @pytest.mark.parametrize("flags,message", [
     (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1, got 0"),
-    (["--tensor-model-parallel-size", "2", "--context-parallel-size", "3"],
+    (["--tensor-model-parallel-size", "2", "--context-parallel-size", "3", "--seq-length", "96"],
      "world size 8 is not divisible by tensor-model-parallel-size 2 x pipeline-model-parallel-size 1 x "
      "context-parallel-size 3 = 6"),
     (["--context-parallel-size", "4", "--seq-length", "36"],

@@ -191,11 +191,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _validate_model_values(args)
+    # Before the world size: launch sizes the CPU devices by what validates, and an unsupported
+    # cp combination must be named as such rather than as a world size that fits nothing.
+    _validate_context_parallel(args)
     if world_size % (tp * pp * cp):
         what = f" x context-parallel-size {cp}" if cp > 1 else ""
         raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
                             f"pipeline-model-parallel-size {pp}{what} = {tp * pp * cp}")
-    _validate_context_parallel(args)
     dp = world_size // (tp * pp * cp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
