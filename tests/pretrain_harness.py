@@ -14,13 +14,20 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def layout_losses(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple = ()) -> list[float]:
-    """Losses of ``iters`` iterations with tp x pp (dp = the rest of ``devices``)."""
+    """Losses of ``iters`` iterations with tp x pp (x cp from ``--context-parallel-size`` in ``extra``;
+    dp = the rest of ``devices``)."""
+    return [r["loss"] for r in layout_records(tp, pp, devices, iters, extra)]
+
+
+def layout_records(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple = ()) -> list[dict]:
+    """Each iteration's metrics record (loss, grad norm, ...) of :func:`layout_losses`' run."""
     args = parse_args(TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                               "--train-iters", str(iters), *extra])
     layout = validate_args(args, len(devices))
-    state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size, devices=devices)
+    state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
+                                    context_parallel_size=layout.context_parallel_size, devices=devices)
     trainer = Pretrainer(args, layout, state)
-    return [trainer.step()["loss"] for _ in range(iters)]
+    return [trainer.step() for _ in range(iters)]
 
 
 def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:

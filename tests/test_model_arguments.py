@@ -61,3 +61,48 @@ def test_values_that_cannot_work_are_refused(flags, message):
         validate_args(args, 8)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_context_parallel_layout():
+    args = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                       "--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--sequence-parallel"])
+    layout = validate_args(args, 8)
+    assert (layout.context_parallel_size, layout.data_parallel_size) == (2, 2)  # dp = 8 / (tp x pp x cp)
+    assert layout.describe() == "tp=2 pp=1 cp=2 dp=2"
+    config = model_config(args)
+    assert (config.context_parallel_size, config.cp_comm_type) == (2, "all_gather")
+    plain = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+    assert validate_args(plain, 8).context_parallel_size == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--context-parallel-size", "0"], "--context-parallel-size must be >= 1, got 0"),
+    (["--tensor-model-parallel-size", "2", "--context-parallel-size", "3", "--seq-length", "96"],
+     "world size 8 is not divisible by tensor-model-parallel-size 2 x pipeline-model-parallel-size 1 x "
+     "context-parallel-size 3 = 6"),
+    (["--context-parallel-size", "4", "--seq-length", "36"],
+     "--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8 (load-balanced context parallelism, "
+     "--cp-comm-type p2p"),
+    (["--context-parallel-size", "4", "--seq-length", "36", "--cp-comm-type", "all_gather"],
+     "--seq-length 36 is not divisible by 2 x --context-parallel-size 4 = 8 (load-balanced context parallelism, "
+     "--cp-comm-type all_gather"),
+    (["--tensor-model-parallel-size", "4", "--context-parallel-size", "2", "--seq-length", "20",
+      "--sequence-parallel"],
+     "--seq-length 20 is not divisible by --context-parallel-size 2 x --tensor-model-parallel-size 4 = 8"),
+    (["--context-parallel-size", "2", "--reset-attention-mask"],
+     "--reset-attention-mask with --context-parallel-size 2 is not supported yet"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
+     "--context-parallel-size 2 with dropout (--attention-dropout 0.1, --hidden-dropout 0.0) is not supported yet"),
+    (["--context-parallel-size", "2", "--hidden-dropout", "0.1"],
+     "--context-parallel-size 2 with dropout (--attention-dropout 0.0, --hidden-dropout 0.1) is not supported yet"),
+    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
+     "--context-parallel-size 2 with --pipeline-model-parallel-size 2 and --cp-comm-type p2p is not supported yet"),
+], ids=["cp0", "world", "seq-p2p", "seq-all_gather", "seq-sp", "reset-attention-mask", "attn-dropout",
+        "hidden-dropout", "p2p-pp"])
+def test_context_parallel_flags_that_cannot_work_are_refused(flags, message):
+    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                       "--global-batch-size", "32", *flags])
+    with pytest.raises(ArgumentError) as err:
+        validate_args(args, 8)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)

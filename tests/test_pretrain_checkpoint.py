@@ -16,7 +16,8 @@ def _trainer(tp, pp, *extra):
     args = parse_args(TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                               "--train-iters", "6", *extra])
     layout = validate_args(args, 8)
-    return Pretrainer(args, layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size))
+    return Pretrainer(args, layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
+                                                            context_parallel_size=layout.context_parallel_size))
 
 
 def _host(tree):
@@ -66,3 +67,18 @@ def test_other_virtual_pipeline_size_is_refused(saved):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
         b.load(directory, load_optimizer=False)
+
+
+def test_context_parallel_layout_is_recorded_and_loads_parameters(saved):
+    # cp is part of the layout record: the optimizer state is refused, the parameters load (cp
+    # replicates them) and train on.
+    directory, _ = saved
+    same = _trainer(2, 2, "--use-distributed-optimizer")
+    same.load(directory)
+    b = _trainer(2, 1, "--context-parallel-size", "2", "--use-distributed-optimizer")
+    assert b.layout_record()["context_parallel_size"] == 2
+    with pytest.raises(TrainingError, match=r"context_parallel_size=1.*now \(.*context_parallel_size=2"):
+        b.load(directory)
+    assert b.load(directory, load_optimizer=False)
+    jax.tree.map(np.testing.assert_array_equal, _host(b.params), _host(same.params))
+    assert np.isfinite(b.step()["loss"])

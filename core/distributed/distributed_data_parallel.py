@@ -114,6 +114,16 @@ class DistributedDataParallel:
         """Batches are split along dim 0 over data parallelism."""
         return P(self.state.data_parallel_axis_name)
 
+    def batch_specs(self, batch: Any, sequence_axis: str | None = None) -> Any:
+        """Partition spec of every leaf of ``batch``: dim 0 over data parallelism and, with
+        ``sequence_axis`` (context parallelism's ``"cp"``), dim 1 of every leaf of two or more
+        dims (``[b, s]`` tokens, labels, masks, positions) over that axis; 1-d leaves (per-sample
+        values such as dropout seeds) are split over data parallelism only."""
+        dp = self.state.data_parallel_axis_name
+        if sequence_axis is None:
+            return jax.tree.map(lambda _: P(dp), batch)
+        return jax.tree.map(lambda x: P(dp, sequence_axis) if len(x.shape) >= 2 else P(dp), batch)
+
     def _require_init(self):
         if self._metadata is None:
             raise RuntimeError("call DistributedDataParallel.init(rng, *sample_inputs) first")
@@ -202,7 +212,8 @@ class DistributedDataParallel:
 
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
-                        forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False):
+                        forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False,
+                        sequence_axis: str | None = None):
         """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
         ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
@@ -226,6 +237,12 @@ class DistributedDataParallel:
         rng)``): ``rng`` folded over the data-parallel (x context-parallel) axes and then with
         the microbatch index, so every data-parallel rank and microbatch draws its own dropout
         masks while tensor-parallel ranks share theirs (fold over ``"tp"`` inside for more).
+
+        ``sequence_axis`` (context parallelism: ``"cp"``): dim 1 of the batch's ``[b, s, ...]``
+        leaves is also split over this mesh axis (:meth:`batch_specs`), so each rank's loss
+        function sees its ``[b/dp, s/cp]`` shard. The grads are still averaged over data x context
+        parallelism, so the loss function must return ``cp`` times its share of the microbatch loss
+        (as :func:`core.models.gpt.gpt_layers.language_model_loss` does).
         """
         meta = self._require_init()
         if (loss_fn is None) == (forward_backward is None):
@@ -234,11 +251,20 @@ class DistributedDataParallel:
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
         if self.ddp_config.check_for_large_grads:
             metric_specs["large_grads"] = self.local_spec
-        in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_spec, P()) + ((P(),) if with_rng else ())
-        fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs))
-        jitted = jax.jit(fn, donate_argnums=(0, 1))
+        programs: dict[Any, Callable] = {}
+
+        def jitted(params, opt_state, batch, *rest):
+            # One program per batch structure: the specs follow the leaves' ranks (see batch_specs).
+            key = (jax.tree.structure(batch), tuple(len(x.shape) for x in jax.tree.leaves(batch)))
+            if key not in programs:
+                in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_specs(batch, sequence_axis), P()) \
+                    + ((P(),) if with_rng else ())
+                fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs))
+                programs[key] = jax.jit(fn, donate_argnums=(0, 1))
+            return programs[key](params, opt_state, batch, *rest)
 
         dp = self.state.data_parallel_size
+        seq_split = self.mesh.shape[sequence_axis] if sequence_axis is not None else 1
 
         def train_step(params, opt_state, batch, *rng):
             if len(rng) != int(with_rng):
@@ -249,6 +275,9 @@ class DistributedDataParallel:
                     raise ValueError(
                         f"global batch {leaf.shape[0]} is not divisible by data_parallel_size ({dp}) x "
                         f"num_microbatches ({num_microbatches})")
+                if seq_split > 1 and leaf.ndim >= 2 and leaf.shape[1] % seq_split:
+                    raise ValueError(f"sequence length {leaf.shape[1]} is not divisible by the {sequence_axis!r} "
+                                     f"axis size ({seq_split})")
             out = jitted(params, opt_state, batch, meta["masks"], *rng)
             self.params = out[0]  # the donated input is gone; the facade follows the step
             return out

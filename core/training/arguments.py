@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages (default: 2 when the world size is 8, else 1)")
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="model chunks per pipeline stage (interleaved 1F1B)")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="context-parallel size: every sample's sequence split over this many ranks "
+                        "(load-balanced chunks; dp = world / (tp x pp x cp))")
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p",
+                   help="context-parallel attention: K/V passed around a ring (p2p) or all-gathered")
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over dp (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="start bucket reductions during the backward")
@@ -145,14 +150,17 @@ class ParallelLayout:
     virtual_pipeline_model_parallel_size: int | None
     """Model chunks per stage, or None."""
     data_parallel_size: int
-    """world / (tp * pp)."""
+    """world / (tp * pp * cp)."""
     num_microbatches: int
     """global batch / (micro batch * dp)."""
+    context_parallel_size: int = 1
+    """cp: ranks sharing every sample's sequence."""
 
     def describe(self) -> str:
-        """``tp=2 pp=2 dp=2`` (+ vpp)."""
+        """``tp=2 pp=2 dp=2`` (+ vpp, + cp when above 1)."""
         vpp = f" vpp={self.virtual_pipeline_model_parallel_size}" if self.virtual_pipeline_model_parallel_size else ""
-        return (f"tp={self.tensor_model_parallel_size} pp={self.pipeline_model_parallel_size}{vpp} "
+        cp = f" cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
+        return (f"tp={self.tensor_model_parallel_size} pp={self.pipeline_model_parallel_size}{vpp}{cp} "
                 f"dp={self.data_parallel_size}")
 
 
@@ -175,17 +183,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     """Check every size; raise :class:`ArgumentError` with a one-line message naming the numbers."""
     tp, pp, vpp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, \
         args.virtual_pipeline_model_parallel_size
-    positive = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers", "hidden_size",
-                "num_attention_heads", "seq_length", "micro_batch_size", "global_batch_size", "train_iters",
-                "log_interval", "eval_interval", "eval_iters"]
+    cp = args.context_parallel_size
+    positive = ["tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "num_layers",
+                "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "global_batch_size",
+                "train_iters", "log_interval", "eval_interval", "eval_iters"]
     for name in positive:
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _validate_model_values(args)
-    if world_size % (tp * pp):
+    # Before the world size: launch sizes the CPU devices by what validates, and an unsupported
+    # cp combination must be named as such rather than as a world size that fits nothing.
+    _validate_context_parallel(args)
+    if world_size % (tp * pp * cp):
+        what = f" x context-parallel-size {cp}" if cp > 1 else ""
         raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
-                            f"pipeline-model-parallel-size {pp} = {tp * pp}")
-    dp = world_size // (tp * pp)
+                            f"pipeline-model-parallel-size {pp}{what} = {tp * pp * cp}")
+    dp = world_size // (tp * pp * cp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel-size {dp} = {args.micro_batch_size * dp}")
@@ -201,7 +214,40 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     validate_data_args(args)
-    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp))
+    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp)
+
+
+def _validate_context_parallel(args: argparse.Namespace) -> None:
+    """What context parallelism needs of the other flags (nothing when cp is 1)."""
+    cp, tp, s = args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length
+    if cp == 1:
+        return
+    if args.reset_attention_mask:
+        raise ArgumentError(f"--reset-attention-mask with --context-parallel-size {cp} is not supported yet: the "
+                            "context-parallel attention kernels have no document mask")
+    if args.attention_dropout or args.hidden_dropout:
+        raise ArgumentError(f"--context-parallel-size {cp} with dropout (--attention-dropout "
+                            f"{args.attention_dropout}, --hidden-dropout {args.hidden_dropout}) is not supported yet: "
+                            "the dropout masks are not drawn layout-invariantly under context parallelism")
+    if args.cp_comm_type == "p2p" and args.pipeline_model_parallel_size > 1:
+        # XLA's CPU collective-permute rendezvouses every device of the program, not only the cp
+        # pairs: inside the pipeline executor's per-slot lax.cond (stages run their forwards in
+        # different slots) a ring step pairs with another stage's and exchanges the wrong K/V
+        # (wrong losses; a hang when a stage skips it). all_gather rendezvouses per cp group.
+        # Not checked on GPU, so refused everywhere for now.
+        raise ArgumentError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size "
+                            f"{args.pipeline_model_parallel_size} and --cp-comm-type p2p is not supported yet (the "
+                            "ring's collective-permutes inside pipeline stages pair up across stages on the CPU "
+                            "backend); use --cp-comm-type all_gather")
+    # Both comm types read the same load-balanced order: rank r holds chunks r and 2cp-1-r.
+    if s % (2 * cp):
+        raise ArgumentError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} "
+                            f"(load-balanced context parallelism, --cp-comm-type {args.cp_comm_type}, gives every "
+                            "cp rank two equal chunks)")
+    if args.sequence_parallel and s % (cp * tp):
+        raise ArgumentError(f"--seq-length {s} is not divisible by --context-parallel-size {cp} x "
+                            f"--tensor-model-parallel-size {tp} = {cp * tp} (--sequence-parallel splits each cp "
+                            "rank's tokens over tp)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +438,7 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
         add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
         hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        sequence_parallel=args.sequence_parallel,
-        recompute_granularity="full" if args.recompute_activations else None, bf16=args.bf16,
+        sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
+        cp_comm_type=args.cp_comm_type, recompute_granularity="full" if args.recompute_activations else None,
+        bf16=args.bf16,
         unroll_layers=not args.scan_layers)

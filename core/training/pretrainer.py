@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core import checkpointing
+from core.context_parallel import reorder_for_cp
 from core.data import (
     ByteTokenizer,
     DataParallelSampler,
@@ -54,7 +55,7 @@ from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.models.gpt import GPTModel
 from core.optimizer.optimizer_config import OptimizerConfig
-from core.parallel_state import ParallelState
+from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
@@ -164,7 +165,13 @@ class PretrainingData:
             self._init_indexed(args)
         else:
             self._init_text(args)
-        self.batch_sharding = NamedSharding(state.mesh, P(state.data_parallel_axis_name))
+        self.context_parallel_size = state.context_parallel_size
+        """cp: with more than 1, :meth:`to_global` reorders and splits every sample's sequence."""
+        dp = state.data_parallel_axis_name
+        self.batch_sharding = NamedSharding(state.mesh, P(dp))
+        """Sharding of per-sample fields (and of every field without context parallelism)."""
+        self.sequence_sharding = NamedSharding(state.mesh, P(dp, CP_AXIS) if self.context_parallel_size > 1 else P(dp))
+        """Sharding of the ``[b, s]`` fields: rows over data parallelism, the sequence over ``"cp"``."""
 
     def _init_text(self, args: argparse.Namespace) -> None:
         text, self.corpus_description = load_corpus(self.source.text_path)
@@ -219,9 +226,26 @@ class PretrainingData:
     def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
         return self._indexed_batch(dataset, indices) if self.indexed else get_batch(dataset, indices)
 
+    def for_context_parallel(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The host batch as context parallelism reads it (unchanged when cp is 1): ``position_ids``
+        added (``arange(s)`` per sample) when absent, then every ``[b, s]`` field reordered once into
+        the load-balanced chunk order (:func:`core.context_parallel.reorder_for_cp`), so that the
+        contiguous split of the sequence over ``"cp"`` hands rank ``r`` chunks ``r`` and ``2cp-1-r``."""
+        cp = self.context_parallel_size
+        if cp == 1:
+            return batch
+        batch = dict(batch)
+        if "position_ids" not in batch:  # positions are not implied by the local index any more
+            b, s = batch["tokens"].shape
+            batch["position_ids"] = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)).copy()
+        return {k: reorder_for_cp(v, cp, seq_axis=1) if v.ndim >= 2 else v for k, v in batch.items()}
+
     def to_global(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """A host batch as global arrays over the data-parallel sharding (each device its rows)."""
-        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda idx, v=v: v[idx])
+        """A host batch as global arrays: rows over data parallelism (each device its rows) and,
+        with context parallelism, the reordered sequence over ``"cp"`` (:meth:`for_context_parallel`)."""
+        batch = self.for_context_parallel(batch)
+        sharding = lambda v: self.sequence_sharding if v.ndim >= 2 else self.batch_sharding
+        return {k: jax.make_array_from_callback(v.shape, sharding(v), lambda idx, v=v: v[idx])
                 for k, v in batch.items()}
 
     def next_train_host_batch(self) -> dict[str, np.ndarray]:
@@ -285,15 +309,28 @@ class Pretrainer:
         self.opt_state = self.ddp.init_optimizer(self.params)
         m = layout.num_microbatches
         fb = self.model.ddp_forward_backward(m) if layout.pipeline_model_parallel_size > 1 else None
-        self.train_step = self.ddp.make_train_step(None if fb else self.model.loss_fn, m, forward_backward=fb)
+        sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
+        self.train_step = self.ddp.make_train_step(None if fb else self.model.loss_fn, m, forward_backward=fb,
+                                                   sequence_axis=sequence_axis)
         self.eval_step = self._make_eval_step()
 
     # -- steps -----------------------------------------------------------------------------
     def _make_eval_step(self):
         m, dp_axes = self.layout.num_microbatches, self.state.data_parallel_axis_name
+        sequence_axis = CP_AXIS if self.state.context_parallel_size > 1 else None
+        # Every cp rank's loss is already the whole sequence's (language_model_loss sums over "cp").
         fn = lambda p, b: lax.pmean(self.model.eval_loss(p, b, m), dp_axes)
-        return jax.jit(jax.shard_map(fn, mesh=self.state.mesh, in_specs=(self.ddp.param_specs, P(dp_axes)),
-                                     out_specs=P(), check_vma=False))
+        programs: dict[Any, Callable] = {}
+
+        def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+            key = tuple(sorted((k, v.ndim) for k, v in batch.items()))
+            if key not in programs:
+                specs = self.ddp.batch_specs(batch, sequence_axis)
+                programs[key] = jax.jit(jax.shard_map(fn, mesh=self.state.mesh, in_specs=(self.ddp.param_specs, specs),
+                                                      out_specs=P(), check_vma=False))
+            return programs[key](params, batch)
+
+        return eval_step
 
     def evaluate(self) -> float:
         """Mean validation loss over ``--eval-iters`` batches (NaN without validation data)."""
@@ -342,7 +379,7 @@ class Pretrainer:
         and execution choices such as bf16, SP, recompute or dropout may change on resume)."""
         record = dataclasses.asdict(self.config)
         for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
-                      "hidden_dropout"):
+                      "hidden_dropout", "context_parallel_size", "cp_comm_type"):
             record.pop(field)
         return record
 
@@ -352,6 +389,7 @@ class Pretrainer:
                 "pipeline_model_parallel_size": self.layout.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
                 "data_parallel_size": self.layout.data_parallel_size,
+                "context_parallel_size": self.layout.context_parallel_size,
                 "use_distributed_optimizer": bool(self.args.use_distributed_optimizer),
                 "num_devices": int(self.state.mesh.devices.size)}
 
@@ -386,7 +424,8 @@ class Pretrainer:
         diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items() if saved.get(k) != v]
         if diff:
             raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
-        old, new = meta["layout"], self.layout_record()
+        # Checkpoints written before context parallelism existed were all cp=1.
+        old, new = {"context_parallel_size": 1, **meta["layout"]}, self.layout_record()
         if old["virtual_pipeline_model_parallel_size"] != new["virtual_pipeline_model_parallel_size"]:
             raise TrainingError(
                 f"checkpoint {directory} was saved with virtual-pipeline-model-parallel-size "

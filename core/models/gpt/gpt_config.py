@@ -50,6 +50,12 @@ class GPTConfig:
     """Tie the output layer to the word embedding (Megatron's default)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: norms and residuals on ``[s/tp, b, h]`` shards."""
+    context_parallel_size: int = 1
+    """Context parallelism (mesh axis ``"cp"``): each rank holds ``s/cp`` tokens of every sample,
+    the load-balanced chunks ``r`` and ``2cp-1-r`` (``core.context_parallel``); the batch arrives
+    reordered and split that way. Must match the parallel state's ``context_parallel_size``."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention exchanges K/V: ``"p2p"`` (ring) or ``"all_gather"``."""
     recompute_granularity: str | None = None
     """``"full"``: recompute each layer's activations in the backward (``jax.checkpoint``)."""
     unroll_layers: bool = True
@@ -160,6 +166,22 @@ class GPTConfig:
              f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
             (0.0 <= self.attention_dropout < 1.0, f"attention_dropout must be in [0, 1), got {self.attention_dropout}"),
             (0.0 <= self.hidden_dropout < 1.0, f"hidden_dropout must be in [0, 1), got {self.hidden_dropout}"),
+            (self.context_parallel_size >= 1,
+             f"context_parallel_size must be >= 1, got {self.context_parallel_size}"),
+            (self.cp_comm_type in ("p2p", "all_gather"),
+             f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}"),
+            # Both comm types read the load-balanced order: two equal chunks per cp rank.
+            (self.context_parallel_size == 1 or self.seq_length % (2 * self.context_parallel_size) == 0,
+             f"seq_length {self.seq_length} is not divisible by 2 x context_parallel_size "
+             f"{self.context_parallel_size} = {2 * self.context_parallel_size} (load-balanced context parallelism "
+             "gives every cp rank two equal chunks)"),
+            (not self.sequence_parallel or self.seq_length % (self.context_parallel_size * tp) == 0,
+             f"seq_length {self.seq_length} is not divisible by context_parallel_size {self.context_parallel_size} x "
+             f"tensor_model_parallel_size {tp} = {self.context_parallel_size * tp} (needed by --sequence-parallel)"),
+            (self.context_parallel_size == 1 or (self.attention_dropout == 0.0 and self.hidden_dropout == 0.0),
+             f"context_parallel_size {self.context_parallel_size} with dropout (attention_dropout "
+             f"{self.attention_dropout}, hidden_dropout {self.hidden_dropout}) is not supported yet: the dropout "
+             "masks are not yet drawn layout-invariantly under context parallelism"),
             (self.recompute_granularity in (None, "full"),
              f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}"),
         ]

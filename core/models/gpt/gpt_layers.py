@@ -29,9 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.context_parallel import context_parallel_attention
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
-from core.parallel_state import TP_AXIS
+from core.parallel_state import CP_AXIS, TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel import (
     ColumnParallelLinear,
@@ -255,11 +256,17 @@ class ParallelAttention(nn.Module):
             rotary = partial(apply_rotary, base=cfg.rotary_base, layout=layout, positions=ctx.position_ids,
                              rotary_dim=cfg.rotary_dim)
             q, k = rotary(q), rotary(k)
-        keep = None
-        if cfg.attention_dropout and ctx.dropout_seed is not None:
-            keep = attention_dropout_keep(ctx, cfg.attention_dropout, local_heads, s)
-        out = causal_attention(q, k, v, layout, segment_ids=ctx.segment_ids, dropout_keep=keep,
-                               dropout_rate=cfg.attention_dropout)
+        if cfg.context_parallel_size > 1:
+            # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
+            # the host); the kernel masks by global position and exchanges K/V over "cp".
+            out = context_parallel_attention(q, k, v, comm_type=cfg.cp_comm_type, axis_name=CP_AXIS,
+                                             causal=True, load_balanced=True, layout=layout)
+        else:
+            keep = None
+            if cfg.attention_dropout and ctx.dropout_seed is not None:
+                keep = attention_dropout_keep(ctx, cfg.attention_dropout, local_heads, s)
+            out = causal_attention(q, k, v, layout, segment_ids=ctx.segment_ids, dropout_keep=keep,
+                                   dropout_rate=cfg.attention_dropout)
         out = jnp.transpose(out, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
         # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
         out, _ = RowParallelLinear(h, h, bias=cfg.add_bias_linear, input_is_parallel=True,
@@ -368,15 +375,32 @@ def mask_padded_logits(logits: jax.Array, vocab_size: int, axis_name: str = TP_A
 
 
 def language_model_loss(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None,
-                        vocab_size: int | None = None) -> jax.Array:
+                        vocab_size: int | None = None, context_parallel_axis: str | None = None) -> jax.Array:
     """Next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels:
     the mean, or with ``loss_mask`` (``[b, s]``) Megatron's ``sum(loss * mask) / sum(mask)``
     (denominator at least 1). ``vocab_size`` below the logits' (padded) vocabulary masks the
-    padding ids first (:func:`mask_padded_logits`)."""
+    padding ids first (:func:`mask_padded_logits`).
+
+    ``context_parallel_axis``: the sequence is split over this mesh axis (``"cp"``). Numerator
+    and denominator are then summed over it, so the value is the whole sequence's loss on every
+    cp rank; the gradient is ``cp`` times this rank's share of it (Megatron's ``loss * cp``),
+    because the data-parallel reduction sums the cp ranks' gradients and divides by ``dp * cp``.
+    """
     if vocab_size is not None:
         logits = mask_padded_logits(logits, vocab_size)
     losses = vocab_parallel_cross_entropy(logits, jnp.swapaxes(labels, 0, 1))
-    if loss_mask is None:
-        return jnp.mean(losses)
-    mask = jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
-    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    if context_parallel_axis is None:
+        if loss_mask is None:
+            return jnp.mean(losses)
+        mask = jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
+        return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    mask = jnp.ones(losses.shape, jnp.float32) if loss_mask is None else \
+        jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
+    cp = lax.axis_size(context_parallel_axis)
+    denominator = jnp.maximum(lax.psum(jnp.sum(mask), context_parallel_axis), 1.0)
+    local = jnp.sum(losses * mask)
+    # The psum only sees a stop_gradient'ed value, so no collective is transposed (its transpose
+    # under shard_map without vma checks would multiply the cotangent by cp a second time).
+    value = lax.psum(lax.stop_gradient(local), context_parallel_axis) / denominator
+    share = cp * local / denominator
+    return value + (share - lax.stop_gradient(share))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.context_parallel import cp_positions
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import (
     GPTEmbedding,
@@ -41,7 +42,7 @@ from core.models.gpt.gpt_layers import (
     TransformerLayer,
     language_model_loss,
 )
-from core.parallel_state import PP_AXIS, ParallelState
+from core.parallel_state import CP_AXIS, PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
@@ -56,6 +57,9 @@ class GPTModel:
         self.pp = state.pipeline_model_parallel_size
         self.vpp = state.virtual_pipeline_model_parallel_size or 1
         config.validate(state.tensor_model_parallel_size, self.pp * self.vpp)
+        if config.context_parallel_size != state.context_parallel_size:
+            raise ValueError(f"config.context_parallel_size {config.context_parallel_size} does not match the "
+                             f"parallel state's context_parallel_size {state.context_parallel_size}")
         self.layers_per_chunk = config.num_layers // (self.pp * self.vpp)
         self.embedding = GPTEmbedding(config)
         self.layer = TransformerLayer(config)
@@ -81,19 +85,30 @@ class GPTModel:
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
     # -- forward pieces (inside shard_map, local shapes) ----------------------------------
+    def context(self, microbatch: dict | jax.Array | None) -> LayerContext:
+        """The layers' :class:`LayerContext` of a microbatch. Under context parallelism a batch
+        without ``position_ids`` gets this cp rank's global positions (its load-balanced chunks):
+        rotary and learned positions must see where the local tokens sit in the sequence."""
+        ctx = LayerContext.from_batch(microbatch)
+        cp = self.config.context_parallel_size
+        if cp > 1 and ctx.position_ids is None and microbatch is not None:
+            tokens = microbatch["tokens"] if isinstance(microbatch, dict) else microbatch
+            positions = cp_positions(lax.axis_index(CP_AXIS), tokens.shape[1] * cp, cp).astype(jnp.int32)
+            ctx = ctx.replace(position_ids=jnp.broadcast_to(positions, tokens.shape))
+        return ctx
+
     def embed(self, shared: dict, microbatch: dict | jax.Array) -> jax.Array:
         """First stage: the microbatch's ``[b, s]`` tokens (with its positions and dropout seeds;
         bare tokens also accepted) to ``[s(/tp), b, h]`` activations."""
         tokens = microbatch["tokens"] if isinstance(microbatch, dict) else microbatch
-        x = self.embedding.apply({"params": self._cast(shared["embedding"])}, tokens,
-                                 LayerContext.from_batch(microbatch))
+        x = self.embedding.apply({"params": self._cast(shared["embedding"])}, tokens, self.context(microbatch))
         return x.astype(self.config.compute_dtype)
 
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
                    first_layer: int | jax.Array = 0) -> jax.Array:
         """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan;
         ``first_layer`` is the chunk's first global layer index (its dropout keys use it)."""
-        ctx = LayerContext.from_batch(microbatch)
+        ctx = self.context(microbatch)
         body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
         if self.config.recompute_granularity == "full":
             body = jax.checkpoint(body)
@@ -108,11 +123,12 @@ class GPTModel:
         word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
             else None
         logits = self.head.apply({"params": shared["head"]}, x, word)
-        return language_model_loss(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size)
+        cp_axis = CP_AXIS if self.config.context_parallel_size > 1 else None
+        return language_model_loss(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size, cp_axis)
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Local shape of the activations sent between pipeline stages."""
-        s = self.config.seq_length
+        s = self.config.seq_length // self.config.context_parallel_size
         if self.config.sequence_parallel:
             s //= self.state.tensor_model_parallel_size
         return (s, micro_batch_size, self.config.hidden_size)
