@@ -14,14 +14,14 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 
 echo "=== level 1: single process, 8 simulated devices"
-timeout --signal=KILL "${SINGLE_TIMEOUT:-2100}" python -m pytest -q -p no:randomly -m "not gpu" \
+timeout --signal=KILL "${SINGLE_TIMEOUT:-2400}" python -m pytest -q -p no:randomly -m "not gpu" \
     --junitxml="$OUT/single.xml" "$@" tests
 rc1=$?
 
 echo "=== level 2: mpirun -n $NP real processes"
 # Processes that share the cores must not each spin up a full Eigen thread pool.
 XLA_FLAGS="${XLA_FLAGS:-} --xla_cpu_multi_thread_eigen=false" \
-timeout --signal=KILL "${MPI_TIMEOUT:-1200}" mpirun -x XLA_FLAGS -x JAX_PLATFORMS --oversubscribe -n "$NP" \
+timeout --signal=KILL "${MPI_TIMEOUT:-1500}" mpirun -x XLA_FLAGS -x JAX_PLATFORMS --oversubscribe -n "$NP" \
     python tests/mpi_rank.py --junitxml="$OUT/mpi" --color=no "$@"
 rc2=$?
 

@@ -106,3 +106,17 @@ def test_context_parallel_flags_that_cannot_work_are_refused(flags, message):
         validate_args(args, 8)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--global-batch-size", "12"], "global-batch-size 12 is not divisible by micro-batch-size 4 x data-parallel-size 2"),
+    (["--num-attention-heads", "3", "--hidden-size", "96"], "num-attention-heads 3 is not divisible by "
+                                                           "tensor-model-parallel-size 2"),
+    (["--num-layers", "3"], "num-layers 3 is not divisible by pipeline-model-parallel-size 2"),
+], ids=["batch", "heads", "layers"])
+def test_layout_checks_at_the_default_8_device_layout(flags, message):
+    from core.training.arguments import fill_defaults
+
+    with pytest.raises(ArgumentError) as err:
+        validate_args(fill_defaults(parse_args(flags), 8), 8)
+    assert message in str(err.value)

@@ -1,4 +1,4 @@
-"""Training on a Megatron indexed dataset in 8 real processes (one device each, tp=2 pp=2 dp=2):
+"""Training on a Megatron indexed dataset in 8 real processes (one device each, tp=2 dp=4):
 rank 0 builds the sample-index caches while the others wait, then they load them, and every
 process trains on the same global batches. NullTokenizer data (numpy only, no ``tokenizers``)."""
 
@@ -46,12 +46,12 @@ def test_indexed_training_under_mpirun(shared_prefix):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    args = parse_args(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+    args = parse_args(TINY + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                               "--train-iters", "3", "--data-path", shared_prefix, "--split", "95,5,0",
                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                               "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"])
     layout = validate_args(args, jax.device_count())
-    trainer = Pretrainer(args, layout, ps.build_parallel_state(2, 2, None, devices=jax.devices()))
+    trainer = Pretrainer(args, layout, ps.build_parallel_state(2, 1, None, devices=jax.devices()))
     built = comm.gather(trainer.data.train_data.built_anew_on_cache_miss, root=0)
     if comm.rank == 0:
         assert built == [True] + [False] * (comm.size - 1)  # rank 0 built, the others loaded
