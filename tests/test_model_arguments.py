@@ -38,6 +38,16 @@ def test_vocabulary_padding_as_megatron(vocab, divisible_by, tp, padded):
     assert padded_vocab_size(vocab, divisible_by, tp) == padded
 
 
+def _assert_refused(flags, message):
+    """One layout (tp=pp=1, 8 devices) with ``flags``: validation fails with one line containing ``message``."""
+    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                       "--global-batch-size", "32", *flags])
+    with pytest.raises(ArgumentError) as err:
+        validate_args(args, 8)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--ffn-hidden-size", "0"], "--ffn-hidden-size must be >= 1, got 0"),
     (["--ffn-hidden-size", "-4"], "--ffn-hidden-size must be >= 1, got -4"),
@@ -55,12 +65,7 @@ def test_vocabulary_padding_as_megatron(vocab, divisible_by, tp, padded):
 ], ids=["ffn0", "ffn-neg", "lr", "min-lr", "attn-dropout", "hidden-dropout", "rotary", "std", "divisible", "gqa",
         "gqa-tp"])
 def test_values_that_cannot_work_are_refused(flags, message):
-    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                       "--global-batch-size", "32", *flags])
-    with pytest.raises(ArgumentError) as err:
-        validate_args(args, 8)
-    assert message in str(err.value)
-    assert "\n" not in str(err.value)
+    _assert_refused(flags, message)
 
 
 def test_context_parallel_layout():
@@ -100,12 +105,7 @@ def test_context_parallel_layout():
 ], ids=["cp0", "world", "seq-p2p", "seq-all_gather", "seq-sp", "reset-attention-mask", "attn-dropout",
         "hidden-dropout", "p2p-pp"])
 def test_context_parallel_flags_that_cannot_work_are_refused(flags, message):
-    args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                       "--global-batch-size", "32", *flags])
-    with pytest.raises(ArgumentError) as err:
-        validate_args(args, 8)
-    assert message in str(err.value)
-    assert "\n" not in str(err.value)
+    _assert_refused(flags, message)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -68,6 +68,14 @@ def _layer_norm_bwd(eps, residuals, dy):
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
+def _needs_flax(norm: nn.Module, x: jax.Array, mask: jax.Array | None) -> bool:
+    """What the kernels of both norms cannot do: other dtypes, a mask, other axes, statistics
+    averaged across devices (``axis_name``), no scale."""
+    return (x.dtype != jnp.float32 or norm.param_dtype != jnp.float32 or norm.dtype not in (None, jnp.float32)
+            or mask is not None or norm.reduction_axes != -1 or norm.feature_axes != -1
+            or norm.axis_name is not None or not norm.use_scale)
+
+
 class FusedLayerNorm(nn.LayerNorm):
     """``flax.linen.LayerNorm`` (same fields and parameters) that runs :func:`fused_layer_norm`
     for float32 inputs normalised over the last dim on CPU, and flax's own code otherwise."""
@@ -75,11 +83,7 @@ class FusedLayerNorm(nn.LayerNorm):
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Normalise ``x``."""
-        plain = (x.dtype != jnp.float32 or self.param_dtype != jnp.float32 or self.dtype not in (None, jnp.float32)
-                 or mask is not None or self.reduction_axes != -1 or self.feature_axes != -1
-                 or self.axis_name is not None or not self.use_scale or not self.use_bias
-                 or not fused_layer_norm_available())
-        if plain:
+        if _needs_flax(self, x, mask) or not self.use_bias or not fused_layer_norm_available():
             return super().__call__(x, mask=mask)
         h = x.shape[-1]
         scale = self.param("scale", self.scale_init, (h,), self.param_dtype)
@@ -135,10 +139,7 @@ class FusedRMSNorm(nn.RMSNorm):
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
         """Normalise ``x``."""
-        plain = (x.dtype != jnp.float32 or self.param_dtype != jnp.float32 or self.dtype not in (None, jnp.float32)
-                 or mask is not None or self.reduction_axes != -1 or self.feature_axes != -1
-                 or self.axis_name is not None or not self.use_scale or not fused_rms_norm_available())
-        if plain:
+        if _needs_flax(self, x, mask) or not fused_rms_norm_available():
             return super().__call__(x, mask=mask)
         scale = self.param("scale", self.scale_init, (x.shape[-1],), self.param_dtype)
         return fused_rms_norm(x, scale, self.epsilon)
