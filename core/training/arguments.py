@@ -225,10 +225,10 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
     if args.reset_attention_mask:
         raise ArgumentError(f"--reset-attention-mask with --context-parallel-size {cp} is not supported yet: the "
                             "context-parallel attention kernels have no document mask")
-    if args.attention_dropout or args.hidden_dropout:
-        raise ArgumentError(f"--context-parallel-size {cp} with dropout (--attention-dropout "
-                            f"{args.attention_dropout}, --hidden-dropout {args.hidden_dropout}) is not supported yet: "
-                            "the dropout masks are not drawn layout-invariantly under context parallelism")
+    if args.attention_dropout:
+        raise ArgumentError(f"--context-parallel-size {cp} with --attention-dropout {args.attention_dropout} is not "
+                            "supported yet: the context-parallel attention kernels have no dropout "
+                            "(--hidden-dropout is supported)")
     if args.cp_comm_type == "p2p" and args.pipeline_model_parallel_size > 1:
         # XLA's CPU collective-permute rendezvouses every device of the program, not only the cp
         # pairs: inside the pipeline executor's per-slot lax.cond (stages run their forwards in

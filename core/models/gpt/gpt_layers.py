@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel import context_parallel_attention
+from core.context_parallel import context_parallel_attention, cp_positions
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
 from core.parallel_state import CP_AXIS, TP_AXIS
@@ -99,17 +99,24 @@ def dropout_keys(dropout_seed: jax.Array, layer_index: Any, site: int) -> jax.Ar
 
 
 def hidden_dropout(x: jax.Array, ctx: LayerContext | None, rate: float, site: int,
-                   sequence_parallel: bool) -> jax.Array:
-    """Dropout on ``[s(/tp), b, h]`` activations with each sample's ``[s, h]`` mask (its sequence
-    shard under sequence parallelism); the identity without a rate or a ``dropout_seed``."""
+                   sequence_parallel: bool, context_parallel_size: int = 1) -> jax.Array:
+    """Dropout on ``[s(/tp/cp), b, h]`` activations with each sample's ``[s, h]`` mask, drawn at
+    the full sequence length and cut to the rows this rank holds (its sequence-parallel shard of
+    its context-parallel chunks), so the mask of a token does not depend on the layout; the
+    identity without a rate or a ``dropout_seed``."""
     if rate == 0.0 or ctx is None or ctx.dropout_seed is None:
         return x
     s_local, _, h = x.shape
     tp = lax.axis_size(TP_AXIS) if sequence_parallel else 1
+    s_full = s_local * tp * context_parallel_size
     keys = dropout_keys(ctx.dropout_seed, ctx.layer_index, site)
-    keep = jnp.swapaxes(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, (s_local * tp, h)))(keys), 0, 1)
-    if sequence_parallel:
-        keep = lax.dynamic_slice_in_dim(keep, lax.axis_index(TP_AXIS) * s_local, s_local, axis=0)
+    keep = jnp.swapaxes(jax.vmap(lambda k: jax.random.bernoulli(k, 1.0 - rate, (s_full, h)))(keys), 0, 1)
+    start = lax.axis_index(TP_AXIS) * s_local if sequence_parallel else 0
+    if context_parallel_size > 1:  # the load-balanced chunks' global rows, then this tp rank's part
+        rows = cp_positions(lax.axis_index(CP_AXIS), s_full, context_parallel_size)
+        keep = jnp.take(keep, lax.dynamic_slice_in_dim(rows, start, s_local), axis=0)
+    elif sequence_parallel:
+        keep = lax.dynamic_slice_in_dim(keep, start, s_local, axis=0)
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
@@ -293,11 +300,11 @@ class TransformerLayer(nn.Module):
         cfg = self.config
         sp = cfg.sequence_parallel
         attn = ParallelAttention(cfg, name="self_attention")(layer_norm(cfg, "input_layernorm")(x), ctx)
-        x = x + hidden_dropout(attn, ctx, cfg.hidden_dropout, DROPOUT_ATTENTION_OUTPUT, sp)
+        x = x + hidden_dropout(attn, ctx, cfg.hidden_dropout, DROPOUT_ATTENTION_OUTPUT, sp, cfg.context_parallel_size)
         dropout_fn = None
         if cfg.hidden_dropout and ctx is not None and ctx.dropout_seed is not None:
             dropout_fn = partial(hidden_dropout, ctx=ctx, rate=cfg.hidden_dropout, site=DROPOUT_MLP_OUTPUT,
-                                 sequence_parallel=sp)
+                                 sequence_parallel=sp, context_parallel_size=cfg.context_parallel_size)
         mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=sp, gated_linear_unit=cfg.swiglu,
                           bias=cfg.add_bias_linear, normalization=cfg.normalization, epsilon=cfg.layernorm_epsilon,
                           init_method=_normal(cfg.init_method_std),
@@ -335,7 +342,8 @@ class GPTEmbedding(nn.Module):
             else:  # gather each token's row; under SP only this rank's sequence shard
                 positions = lax.dynamic_slice_in_dim(ctx.position_ids, start, s_local, axis=1)
                 x = x + jnp.swapaxes(table[positions], 0, 1)
-        return hidden_dropout(x, ctx.replace(layer_index=0), cfg.hidden_dropout, DROPOUT_EMBEDDING, sp)
+        return hidden_dropout(x, ctx.replace(layer_index=0), cfg.hidden_dropout, DROPOUT_EMBEDDING, sp,
+                              cfg.context_parallel_size)
 
 
 class GPTOutputHead(nn.Module):
