@@ -1,23 +1,29 @@
 """Pretraining checkpoints across layouts (one process, 8 simulated devices): the same layout
-resumes exactly; another layout loads the parameters (resharded) with --no-load-optim and
-otherwise fails with a message naming both layouts."""
+resumes bit-identically; any other layout (tp, pp, dp, cp, distributed optimizer on or off)
+loads parameters and optimizer state (resharded) and continues within 1e-5 of the original
+layout; old per-device optimizer checkpoints load only into their own layout."""
 
 import jax
 import numpy as np
 import pytest
 from pretrain_harness import TINY
 
+from core import checkpointing
 from core import parallel_state as ps
 from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer, TrainingError
 
+LATER = 5  # iterations run after the resume
 
-def _trainer(tp, pp, *extra):
+
+def _trainer(tp, pp, *extra, devices=8):
     args = parse_args(TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-                              "--train-iters", "6", *extra])
-    layout = validate_args(args, 8)
-    return Pretrainer(args, layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
-                                                            context_parallel_size=layout.context_parallel_size))
+                              "--train-iters", "8", *extra])
+    layout = validate_args(args, devices)
+    state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
+                                    context_parallel_size=layout.context_parallel_size,
+                                    devices=jax.devices()[:devices])
+    return Pretrainer(args, layout, state)
 
 
 def _host(tree):
@@ -31,7 +37,7 @@ def saved(tmp_path_factory):
     for _ in range(3):
         a.step()
     a.save(directory)
-    later = [a.step()["loss"] for _ in range(3)]
+    later = [a.step()["loss"] for _ in range(LATER)]
     return directory, later
 
 
@@ -40,26 +46,48 @@ def test_same_layout_resumes_exactly(saved):
     b = _trainer(2, 2, "--use-distributed-optimizer")
     assert b.load(directory)
     assert b.iteration == 3 and b.data.sampler.consumed_samples == 3 * 16
-    assert [b.step()["loss"] for _ in range(3)] == later
+    assert [b.step()["loss"] for _ in range(LATER)] == later
 
 
-def test_other_layout_needs_no_load_optim(saved):
-    directory, _ = saved
-    b = _trainer(1, 4)
-    with pytest.raises(TrainingError, match=r"tensor_model_parallel_size=2, pipeline_model_parallel_size=2.*"
+# (tp, pp, devices, extra): saved at tp2 pp2 dp2 with the distributed optimizer.
+OTHER_LAYOUTS = [
+    (1, 1, 1, ()),
+    (1, 1, 8, ("--use-distributed-optimizer",)),
+    (2, 1, 8, ()),
+    (1, 4, 8, ("--use-distributed-optimizer",)),
+    (2, 1, 8, ("--context-parallel-size", "2", "--use-distributed-optimizer")),
+]
+
+
+@pytest.mark.parametrize("tp,pp,devices,extra", OTHER_LAYOUTS,
+                         ids=["1x1x1", "1x1x8-do", "2x1x4", "1x4x2-do", "2x1xcp2x2-do"])
+def test_other_layout_resumes_with_the_optimizer_state(saved, tp, pp, devices, extra):
+    directory, later = saved
+    b = _trainer(tp, pp, *extra, devices=devices)
+    assert b.load(directory) and b.iteration == 3
+    np.testing.assert_allclose([b.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
+
+
+def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, tmp_path):
+    # A checkpoint as written before the layout-independent format: the device-local state of the
+    # distributed optimizer and no format marker.
+    directory, later = saved
+    a = _trainer(2, 2, "--use-distributed-optimizer")
+    a.load(directory)
+    meta = {k: v for k, v in checkpointing.load_metadata(directory).items() if k != "optimizer_format"}
+    old = str(tmp_path / "old")
+    checkpointing.save_checkpoint(old, a.iteration, {"params": a.params, "opt_state": a.opt_state}, meta)
+    same = _trainer(2, 2, "--use-distributed-optimizer")
+    assert same.load(old)
+    assert [same.step()["loss"] for _ in range(LATER)] == later
+    other = _trainer(1, 4)
+    with pytest.raises(TrainingError, match=r"per device \(the format before 'global-v1'\).*"
+                                            r"tensor_model_parallel_size=2, pipeline_model_parallel_size=2.*"
                                             r"now \(tensor_model_parallel_size=1, pipeline_model_parallel_size=4.*"
                                             r"--no-load-optim"):
-        b.load(directory)
-
-
-def test_other_layout_loads_parameters_resharded(saved):
-    directory, _ = saved
-    same = _trainer(2, 2, "--use-distributed-optimizer")
-    same.load(directory)
-    other = _trainer(1, 4)
-    assert other.load(directory, load_optimizer=False)
-    jax.tree.map(np.testing.assert_array_equal, _host(other.params), _host(same.params))
-    assert np.isfinite(other.step()["loss"])
+        other.load(old)
+    assert other.load(old, load_optimizer=False)
+    jax.tree.map(np.testing.assert_array_equal, _host(other.params), _host(a.params))
 
 
 def test_other_virtual_pipeline_size_is_refused(saved):
@@ -67,18 +95,3 @@ def test_other_virtual_pipeline_size_is_refused(saved):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
         b.load(directory, load_optimizer=False)
-
-
-def test_context_parallel_layout_is_recorded_and_loads_parameters(saved):
-    # cp is part of the layout record: the optimizer state is refused, the parameters load (cp
-    # replicates them) and train on.
-    directory, _ = saved
-    same = _trainer(2, 2, "--use-distributed-optimizer")
-    same.load(directory)
-    b = _trainer(2, 1, "--context-parallel-size", "2", "--use-distributed-optimizer")
-    assert b.layout_record()["context_parallel_size"] == 2
-    with pytest.raises(TrainingError, match=r"context_parallel_size=1.*now \(.*context_parallel_size=2"):
-        b.load(directory)
-    assert b.load(directory, load_optimizer=False)
-    jax.tree.map(np.testing.assert_array_equal, _host(b.params), _host(same.params))
-    assert np.isfinite(b.step()["loss"])

@@ -210,6 +210,43 @@ class DistributedDataParallel:
         fn = lambda p: opt.state_from_local(opt.init(jax.tree.leaves(p)))
         return jax.jit(self._shard_map(fn, (meta["param_specs"],), meta["opt_specs"]))(params)
 
+    # -- the layout-independent optimizer state (checkpoints) ------------------------------
+    def _global_opt_specs(self) -> Any:
+        meta = self._require_init()
+        leaf_specs = jax.tree.leaves(meta["param_specs"], is_leaf=lambda x: isinstance(x, P))
+        return meta["optimizer"].global_state_specs(leaf_specs)
+
+    def optimizer_state_to_global(self, opt_state: Any) -> Any:
+        """The optimizer state in a form that does not depend on the data-parallel layout or on
+        the distributed optimizer: the replicated optimizer's state (fp32 masters, Adam moments
+        of the parameters' global shapes, split like the parameters; step counts). Distributed
+        shards are all-gathered over their data-parallel group. What checkpoints store."""
+        meta = self._require_init()
+        opt = meta["optimizer"]
+        fn = lambda s: opt.state_to_global(opt.state_to_local(s))
+        return self._program("opt_to_global", lambda: jax.jit(self._shard_map(
+            fn, (meta["opt_specs"],), self._global_opt_specs())))(opt_state)
+
+    def optimizer_state_from_global(self, global_state: Any) -> Any:
+        """Inverse of :meth:`optimizer_state_to_global` into this DDP's layout (each data-parallel
+        rank cuts its shards when distributed), from a state written in any layout."""
+        meta = self._require_init()
+        opt = meta["optimizer"]
+        fn = lambda s: opt.state_from_local(opt.state_from_global(s))
+        return self._program("opt_from_global", lambda: jax.jit(self._shard_map(
+            fn, (self._global_opt_specs(),), meta["opt_specs"])))(global_state)
+
+    def optimizer_state_global_abstract(self) -> Any:
+        """``jax.ShapeDtypeStruct`` tree (global shapes, shardings on this mesh) of
+        :meth:`optimizer_state_to_global`'s value: the restore target of a checkpoint."""
+        meta = self._require_init()
+        opt, specs = meta["optimizer"], self._global_opt_specs()
+        fn = lambda p: opt.state_to_global(opt.init(jax.tree.leaves(p)))
+        params = jax.tree.unflatten(meta["treedef"], meta["shapes"])
+        shapes = jax.eval_shape(jax.jit(self._shard_map(fn, (meta["param_specs"],), specs)), params)
+        place = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, spec))
+        return jax.tree.map(place, shapes, specs)
+
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
                         forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False,

@@ -239,6 +239,65 @@ class DistributedOptimizer:
             return {**opt_state, "large_grads": jax.tree.map(lambda x: x[None], opt_state["large_grads"])}
         return opt_state
 
+    # -- the layout-independent form (checkpoints) -------------------------------------------
+    def global_state_specs(self, param_specs: Sequence[P]) -> Any:
+        """``shard_map`` specs of :meth:`state_to_global`'s form: the replicated optimizer's state
+        (fp32 masters of non-fp32 params and optax's parameter-shaped leaves split like their
+        parameters, step counts replicated), without the per-device ``large_grads`` tracker."""
+        shapes = self._local_param_shapes()
+        fp32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in shapes]
+        inner = optax.tree_utils.tree_map_params(self._tx(), lambda _, spec: spec,
+                                                 jax.eval_shape(self._tx().init, fp32), list(param_specs),
+                                                 transform_non_params=lambda _: P())
+        master = tuple(spec if x.dtype != jnp.float32 else () for x, spec in zip(shapes, param_specs, strict=True))
+        return {"master": master, "inner": inner}
+
+    def _bucket_shards_def(self) -> Any:
+        return jax.tree.structure(tuple(tuple(0 for _ in s.layout.bucket_indices) for s in self.specs))
+
+    def state_to_global(self, opt_state: dict[str, Any]) -> dict[str, Any]:
+        """Inside ``shard_map``, on :meth:`state_to_local`'s value: the state as every parameter's
+        values (its local shard under tp/pp), whatever the data-parallel layout. Distributed: the
+        bucket shards are all-gathered over the data-parallel group and cut into parameters."""
+        if not self.sharded:
+            return {"master": opt_state["master"], "inner": opt_state["inner"]}
+        n = len(self.flags.decay)
+
+        def leaves_of(per_spec: Sequence[Buckets]) -> list[Any]:
+            leaves: list[Any] = [()] * n
+            for spec, shards in zip(self.specs, per_spec, strict=True):
+                if _has_master(shards):
+                    for i, x in unflatten_from_buckets(self._gather_buckets(shards, spec), spec).items():
+                        leaves[i] = x
+            return leaves
+
+        is_shards = lambda x: jax.tree.structure(x) == self._bucket_shards_def()
+        inner = jax.tree.map(lambda x: leaves_of(x) if is_shards(x) else x, opt_state["inner"], is_leaf=is_shards)
+        return {"master": tuple(leaves_of(opt_state["master"])), "inner": inner}
+
+    def state_from_global(self, global_state: dict[str, Any]) -> dict[str, Any]:
+        """Inverse of :meth:`state_to_global` in this optimizer's layout (inside ``shard_map``):
+        distributed, each rank cuts its bucket shards out of the parameters' values. A
+        ``large_grads`` tracker starts afresh."""
+        state = {"master": global_state["master"], "inner": global_state["inner"]}
+        if self.sharded:
+            n = len(self.flags.decay)
+
+            def shards_of(leaves: Sequence[Any]) -> tuple[Buckets, ...]:
+                return self._shards([flatten_to_buckets(leaves, s, jnp.float32) for s in self.specs])
+
+            is_leaves = lambda x: isinstance(x, list) and jax.tree.structure(x) == jax.tree.structure([0] * n)
+            inner = jax.tree.map(lambda x: shards_of(x) if is_leaves(x) else x, global_state["inner"],
+                                 is_leaf=is_leaves)
+            master = list(global_state["master"])
+            shards = self._shards([flatten_to_buckets(master, s, jnp.float32) if s.key.param_dtype != "float32"
+                                   else () for s in self.specs])
+            state = {"master": tuple(m if s.key.param_dtype != "float32" else ()
+                                     for s, m in zip(self.specs, shards, strict=True)), "inner": inner}
+        if self.ddp_config.check_for_large_grads:
+            state["large_grads"] = init_large_grad_tracker()
+        return state
+
     @staticmethod
     def _current_leaves(master: Sequence[Any], param_leaves: Sequence[jax.Array]) -> list[jax.Array]:
         return [m if _has_master(m) else p for m, p in zip(master, param_leaves, strict=True)]

@@ -60,6 +60,10 @@ from core.training.arguments import ParallelLayout, data_source, model_config, t
 from core.training.device_peak import device_peak
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
+# The checkpoint's optimizer state is the layout-independent form (parameter-shaped Adam moments
+# and masters of global shape); checkpoints without this marker hold the per-device state.
+OPTIMIZER_FORMAT = "global-v1"
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (NaN loss, unusable checkpoint); reported as one line."""
@@ -384,7 +388,8 @@ class Pretrainer:
         return record
 
     def layout_record(self) -> dict[str, Any]:
-        """What a checkpoint's optimizer state depends on."""
+        """The layout a checkpoint was written in (informational: any layout loads it, except
+        another virtual-pipeline size, whose stacked layer arrays differ)."""
         return {"tensor_model_parallel_size": self.layout.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.layout.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
@@ -394,26 +399,32 @@ class Pretrainer:
                 "num_devices": int(self.state.mesh.devices.size)}
 
     def save(self, directory: str) -> None:
-        """Checkpoint params, optimizer state, data position, seed and iteration (atomic)."""
+        """Checkpoint params, optimizer state, data position, seed and iteration (atomic). The
+        optimizer state is stored in the layout-independent form
+        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`)."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record()}
-        checkpointing.save_checkpoint(directory, self.iteration, {"params": self.params, "opt_state": self.opt_state},
-                                      meta)
+                "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
+                "optimizer_format": OPTIMIZER_FORMAT}
+        state = {"params": self.params, "opt_state": self.ddp.optimizer_state_to_global(self.opt_state)}
+        checkpointing.save_checkpoint(directory, self.iteration, state, meta)
 
     def load(self, directory: str, load_optimizer: bool = True) -> bool:
-        """Resume from the latest checkpoint in ``directory``; False if there is none yet."""
+        """Resume from the latest checkpoint in ``directory`` in this run's layout, whatever the
+        layout it was saved in; False if there is none yet."""
         step = checkpointing.latest_step(directory)
         if step is None:
             return False
         meta = checkpointing.load_metadata(directory, step)
         self._check_compatible(directory, meta, load_optimizer)
+        global_optimizer = meta.get("optimizer_format") == OPTIMIZER_FORMAT
         target = {"params": self.params}
         if load_optimizer:
-            target["opt_state"] = self.opt_state
+            target["opt_state"] = self.ddp.optimizer_state_global_abstract() if global_optimizer else self.opt_state
         restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
         self.params = restored["params"]
         if load_optimizer:
-            self.opt_state = restored["opt_state"]
+            opt_state = restored["opt_state"]
+            self.opt_state = self.ddp.optimizer_state_from_global(opt_state) if global_optimizer else opt_state
         self.iteration = int(meta["iteration"])
         position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
         self.data.sampler.load_state_dict(position)
@@ -431,12 +442,13 @@ class Pretrainer:
                 f"checkpoint {directory} was saved with virtual-pipeline-model-parallel-size "
                 f"{old['virtual_pipeline_model_parallel_size']}, now {new['virtual_pipeline_model_parallel_size']}: "
                 "the stacked layer arrays differ; resume with the same --virtual-pipeline-model-parallel-size")
-        if load_optimizer and old != new:
+        if load_optimizer and meta.get("optimizer_format") != OPTIMIZER_FORMAT and old != new:
             describe = lambda r: ", ".join(f"{k}={v}" for k, v in r.items())
             raise TrainingError(
-                f"checkpoint {directory} was saved with layout ({describe(old)}), now ({describe(new)}): "
-                "the optimizer state is stored per device and cannot be loaded into another layout; pass "
-                "--no-load-optim to load only the parameters (resharded) with a fresh optimizer state")
+                f"checkpoint {directory} stores its optimizer state per device (the format before "
+                f"'{OPTIMIZER_FORMAT}'), saved with layout ({describe(old)}), now ({describe(new)}): it loads only "
+                "into its own layout; pass --no-load-optim to load only the parameters (resharded) with a "
+                "fresh optimizer state")
 
     # -- the loop ----------------------------------------------------------------------------
     @property
