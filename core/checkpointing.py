@@ -86,6 +86,23 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
+def why_nothing_to_load(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` holds no loadable checkpoint (one phrase naming what was found and
+    skipped), or None when it holds one. For the warning before training starts from scratch."""
+    directory = os.fspath(directory)
+    if latest_step(directory) is not None:
+        return None
+    if not os.path.exists(directory):
+        return "no such directory"
+    if not os.path.isdir(directory):
+        return "not a directory"
+    incomplete = sorted(int(os.path.basename(p)) for p in _incomplete_step_dirs(directory))
+    if incomplete:
+        return f"no complete checkpoint (skipped incomplete step directories {incomplete}: no {COMMIT_MARKER})"
+    entries = sorted(os.listdir(directory))
+    return "an empty directory" if not entries else f"no checkpoint step directory (found {entries[:5]})"
+
+
 def _require_step(directory: str, step: int | None) -> int:
     """``step`` (or the latest one when None), checked to be a complete checkpoint."""
     if not os.path.isdir(directory):

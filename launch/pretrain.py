@@ -97,6 +97,7 @@ def _run(args, layout, rank: int) -> int:
         os.dup2(devnull, 1)
     import jax
 
+    from core import checkpointing
     from core import parallel_state as ps
     from core.cpu_threads import release_cpu_affinity
     from core.training.compilation_cache import default_cache_dir, enable_compilation_cache
@@ -127,6 +128,9 @@ def _run(args, layout, rank: int) -> int:
                  f"{data.unigram_entropy:.4f} nats")
     if resumed:
         logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
+    elif args.load:  # as Megatron: say so, then train from random (a first run's --load DIR is normal)
+        logger.print(f"WARNING: --load {args.load}: {checkpointing.why_nothing_to_load(args.load)}; "
+                     "starting from random initialization")
     try:
         records = trainer.train()
     except TrainingError as e:

@@ -18,6 +18,7 @@ from core.checkpointing import (
     load_metadata,
     restore_checkpoint,
     save_checkpoint,
+    why_nothing_to_load,
 )
 
 META = {"iteration": 7, "consumed_samples": 224, "layout": {"tp": 2, "pp": 1, "dp": 4}, "seed": 1234}
@@ -243,3 +244,20 @@ def test_missing_directory_and_no_checkpoint(ckdir):
     _save(ckdir, 1)
     with pytest.raises(FileNotFoundError, match=r"step 2 .*complete steps: \[1\]"):
         restore_checkpoint(ckdir, 2, target)
+
+
+def test_why_nothing_to_load_names_what_was_found(tmp_path):
+    ckdir = str(tmp_path / "ckpt")
+    assert why_nothing_to_load(tmp_path / "missing") == "no such directory"
+    (tmp_path / "file").write_text("x")
+    assert why_nothing_to_load(tmp_path / "file") == "not a directory"
+    (tmp_path / "empty").mkdir()
+    assert why_nothing_to_load(tmp_path / "empty") == "an empty directory"
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    assert why_nothing_to_load(tmp_path / "other") == "no checkpoint step directory (found ['notes.txt'])"
+    (tmp_path / "other" / "7").mkdir()
+    assert why_nothing_to_load(tmp_path / "other") == (
+        "no complete checkpoint (skipped incomplete step directories [7]: no commit_success.txt)")
+    _save(ckdir, 3)
+    assert why_nothing_to_load(ckdir) is None

@@ -173,9 +173,13 @@ def test_plain_python_single_process(tmp_path, user_devices):
     (as many as the default global batch of 16 divides), or the user's JAX_NUM_CPU_DEVICES."""
     metrics = tmp_path / "m.jsonl"
     env = _env() if user_devices is None else dict(_env(), JAX_NUM_CPU_DEVICES=user_devices)
-    result = subprocess.run([sys.executable, PRETRAIN, "--train-iters", "5", "--log-interval", "5", "--metrics-file", str(metrics)],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    (tmp_path / "ckpt" / "4").mkdir(parents=True)  # an interrupted save: no commit marker
+    flags = ["--train-iters", "5", "--log-interval", "5", "--metrics-file", str(metrics), "--load", str(tmp_path / "ckpt")]
+    result = subprocess.run([sys.executable, PRETRAIN, *flags], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"WARNING: --load {tmp_path / 'ckpt'}: no complete checkpoint (skipped incomplete step directories [4]: "
+            "no commit_success.txt); starting from random initialization") in result.stdout
     cores = len(os.sched_getaffinity(0))
     devices = int(user_devices or max(n for n in range(1, cores + 1) if 16 % (4 * n) == 0))
     assert f"1 processes, {devices} cpu devices, layout tp=1 pp=1 dp={devices}" in result.stdout
