@@ -7,6 +7,7 @@ Megatron's ``save_checkpoint``)::
                                 writes only its own shards)
     <directory>/<step>/meta/    a JSON-able dict (iteration, consumed samples, layout, seed...)
     <directory>/<step>/commit_success.txt
+    <directory>/<step>/integrity.json  size and CRC-32 of every file, written after the commit
 
 Atomicity comes from orbax: a save writes ``<step>.orbax-checkpoint-tmp-*``, writes the commit
 marker ``commit_success.txt`` into it and only then renames it to ``<step>``. This module counts
@@ -19,13 +20,19 @@ Restores go straight into the requested shardings, so a checkpoint written with 
 layout can be read into any other sharding of the same global shapes. Shapes and the tree
 structure are checked against the saved metadata first so that a mismatch is a clear
 ``ValueError`` rather than an orbax traceback.
+
+Files damaged after the save (a truncated copy, a bad disk) are found by
+:func:`verify_checkpoint` against ``integrity.json``; :func:`latest_valid_step` skips such
+steps, naming the damaged file, so a resume falls back to the previous intact checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["latest_step", "load_metadata", "restore_checkpoint", "save_checkpoint", "complete_steps"]
+__all__ = ["latest_step", "latest_valid_step", "load_metadata", "restore_checkpoint", "save_checkpoint",
+           "complete_steps", "verify_checkpoint", "why_nothing_to_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +52,8 @@ META_ITEM = "meta"
 # stores, into the final dir as the very last write).
 COMMIT_MARKER = "commit_success.txt"
 DEFAULT_MAX_TO_KEEP = 2
+# Size and CRC-32 of every file of a step, written by process 0 once the step is committed.
+INTEGRITY_FILE = "integrity.json"
 
 
 # ---------------------------------------------------------------------------------------
@@ -84,6 +94,68 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     """The newest complete checkpoint step in ``directory``; None if there is none (or no directory)."""
     steps = complete_steps(directory)
     return steps[-1] if steps else None
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _file_record(step_dir: str) -> dict[str, list[int]]:
+    """``{relative path: [size, crc32]}`` of every file of a step directory."""
+    record = {}
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, step_dir)
+            if not rel.startswith(INTEGRITY_FILE):  # the record itself and its tmp file
+                record[rel] = [os.path.getsize(path), _crc32(path)]
+    return record
+
+
+def _write_integrity(step_dir: str) -> None:
+    tmp = os.path.join(step_dir, INTEGRITY_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_file_record(step_dir), f, sort_keys=True)
+    os.replace(tmp, os.path.join(step_dir, INTEGRITY_FILE))
+
+
+def verify_checkpoint(directory: str | os.PathLike, step: int) -> str | None:
+    """None when every file of ``step`` has the size and CRC-32 it was written with (or the step
+    predates integrity records); else one phrase naming the first damaged file."""
+    step_dir = _step_dir(os.path.abspath(directory), step)
+    record_path = os.path.join(step_dir, INTEGRITY_FILE)
+    if not os.path.isfile(record_path):
+        return None
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        return f"{record_path} is unreadable ({e})"
+    for rel, (size, crc) in sorted(record.items()):
+        path = os.path.join(step_dir, rel)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) != size:
+            return f"{path} has {os.path.getsize(path)} bytes, {size} were written (truncated)"
+        if _crc32(path) != crc:
+            return f"{path} differs from what was written (CRC-32 mismatch: corrupted)"
+    return None
+
+
+def latest_valid_step(directory: str | os.PathLike) -> tuple[int | None, list[str]]:
+    """The newest complete step whose files are intact (None if none), and one line for each
+    newer complete step skipped because a file is damaged."""
+    skipped = []
+    for step in reversed(complete_steps(directory)):
+        problem = verify_checkpoint(directory, step)
+        if problem is None:
+            return step, skipped
+        skipped.append(f"checkpoint step {step} skipped: {problem}")
+    return None, skipped
 
 
 def why_nothing_to_load(directory: str | os.PathLike) -> str | None:
@@ -189,6 +261,10 @@ def save_checkpoint(
         manager.wait_until_finished()
     if not saved:
         raise RuntimeError(f"orbax did not save step {step} in {directory!r}")
+    _barrier(f"checkpointing:saved:{directory}:{step}")
+    if jax.process_index() == 0:
+        _write_integrity(_step_dir(directory, step))
+    _barrier(f"checkpointing:integrity:{directory}:{step}")
 
 
 # ---------------------------------------------------------------------------------------

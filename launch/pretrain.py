@@ -126,6 +126,8 @@ def _run(args, layout, rank: int) -> int:
                  f"data: {data.corpus_description}, "
                  f"{len(data.train_data)} train / {data.num_valid_samples} valid samples, unigram entropy "
                  f"{data.unigram_entropy:.4f} nats")
+    for skipped in trainer.skipped_checkpoints:
+        logger.print(f"WARNING: --load {args.load}: {skipped}")
     if resumed:
         logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
     elif args.load:  # as Megatron: say so, then train from random (a first run's --load DIR is normal)

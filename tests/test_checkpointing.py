@@ -15,9 +15,11 @@ from core.checkpointing import (
     COMMIT_MARKER,
     complete_steps,
     latest_step,
+    latest_valid_step,
     load_metadata,
     restore_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
     why_nothing_to_load,
 )
 
@@ -261,3 +263,32 @@ def test_why_nothing_to_load_names_what_was_found(tmp_path):
         "no complete checkpoint (skipped incomplete step directories [7]: no commit_success.txt)")
     _save(ckdir, 3)
     assert why_nothing_to_load(ckdir) is None
+
+
+def _damage(path, how):
+    if how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    else:  # flip one byte in place: same size, different content
+        with open(path, "r+b") as f:
+            first = f.read(1)
+            f.seek(0)
+            f.write(bytes([first[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("how", ["truncate", "flip"])
+def test_damaged_file_is_named_and_the_previous_checkpoint_used(ckdir, how):
+    for step in (1, 2):
+        _save(ckdir, step)
+    assert verify_checkpoint(ckdir, 2) is None
+    step_dir = os.path.join(ckdir, "2")
+    files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if not f.startswith("integrity.json")]
+    biggest = max(files, key=os.path.getsize)
+    _damage(biggest, how)
+    problem = verify_checkpoint(ckdir, 2)
+    assert problem.startswith(biggest) and ("truncated" if how == "truncate" else "corrupted") in problem
+    assert latest_valid_step(ckdir) == (1, [f"checkpoint step 2 skipped: {problem}"])
+    _damage(max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckdir, "1")) for f in fs
+                 if f != "integrity.json"), key=os.path.getsize), how)
+    step, skipped = latest_valid_step(ckdir)
+    assert step is None and len(skipped) == 2

@@ -1,7 +1,11 @@
 """Pretraining checkpoints across layouts (one process, 8 simulated devices): the same layout
 resumes bit-identically; any other layout (tp, pp, dp, cp, distributed optimizer on or off)
 loads parameters and optimizer state (resharded) and continues within 1e-5 of the original
-layout; old per-device optimizer checkpoints load only into their own layout."""
+layout; old per-device optimizer checkpoints load only into their own layout; a damaged
+checkpoint is refused naming the file."""
+
+import os
+import shutil
 
 import jax
 import numpy as np
@@ -95,3 +99,16 @@ def test_other_virtual_pipeline_size_is_refused(saved):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
         b.load(directory, load_optimizer=False)
+
+
+def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path):
+    directory, _ = saved
+    copy = str(tmp_path / "copy")
+    shutil.copytree(directory, copy)
+    files = [os.path.join(r, f) for r, _, fs in os.walk(copy) for f in fs if not f.startswith("integrity.json")]
+    victim = max(files, key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(1)
+    b = _trainer(2, 2, "--use-distributed-optimizer")
+    with pytest.raises(TrainingError, match=f"no intact checkpoint \\(checkpoint step 3 skipped: {victim} has 1 bytes"):
+        b.load(copy)

@@ -308,6 +308,7 @@ class Pretrainer:
         self.logger = logger
         self._peak = None
         self.iteration = 0
+        self.skipped_checkpoints: list[str] = []
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
@@ -409,9 +410,13 @@ class Pretrainer:
         checkpointing.save_checkpoint(directory, self.iteration, state, meta)
 
     def load(self, directory: str, load_optimizer: bool = True) -> bool:
-        """Resume from the latest checkpoint in ``directory`` in this run's layout, whatever the
-        layout it was saved in; False if there is none yet."""
-        step = checkpointing.latest_step(directory)
+        """Resume from the newest intact checkpoint in ``directory`` in this run's layout, whatever
+        the layout it was saved in; False if there is none yet. Newer checkpoints with a damaged
+        file are skipped and listed in ``skipped_checkpoints``; if every one is damaged,
+        :class:`TrainingError` names the files."""
+        step, self.skipped_checkpoints = checkpointing.latest_valid_step(directory)
+        if step is None and self.skipped_checkpoints:
+            raise TrainingError(f"--load {directory}: no intact checkpoint ({'; '.join(self.skipped_checkpoints)})")
         if step is None:
             return False
         meta = checkpointing.load_metadata(directory, step)
