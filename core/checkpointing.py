@@ -41,8 +41,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["latest_step", "latest_valid_step", "load_metadata", "restore_checkpoint", "save_checkpoint",
-           "complete_steps", "verify_checkpoint", "why_nothing_to_load"]
+__all__ = ["CheckpointSaver", "complete_steps", "latest_step", "latest_valid_step", "load_metadata",
+           "restore_checkpoint", "save_checkpoint", "verify_checkpoint", "why_nothing_to_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +224,82 @@ def _remove_incomplete_steps(directory: str) -> None:
     _barrier(f"checkpointing:remove_incomplete:{directory}")
 
 
+class CheckpointSaver:
+    """The saves of one checkpoint directory, synchronous or asynchronous (orbax's async
+    checkpointing: :meth:`save` returns once the arrays are copied to host memory, and the files
+    are written by a background thread while training goes on).
+
+    At most one save is in flight: the next :meth:`save` (or :meth:`wait`, :meth:`close`) first
+    waits for it. Saves stay atomic (orbax writes a tmp directory and renames it after the commit
+    marker); a process killed mid-save leaves the previous checkpoints intact. Collective: every
+    process calls every method with the same arguments.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = DEFAULT_MAX_TO_KEEP,
+                 async_save: bool = False):
+        self.directory = os.path.abspath(directory)
+        """Where the step directories go."""
+        self.max_to_keep = max_to_keep
+        """Newest checkpoints kept (None keeps all)."""
+        self.async_save = async_save
+        """Write in the background (:meth:`save` returns after the device-to-host copy)."""
+        self._manager: ocp.CheckpointManager | None = None
+        self._pending: int | None = None
+
+    def _open(self) -> ocp.CheckpointManager:
+        if self._manager is None:
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=self.max_to_keep,
+                create=True,
+                # Tmp dirs of interrupted saves are never read back; clear them out.
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=self.async_save,
+            )
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+        return self._manager
+
+    def save(self, step: int, state: Any, metadata: dict) -> None:
+        """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and
+        ``metadata`` as ``step``. Synchronous: returns once the checkpoint is committed.
+        Asynchronous: returns once the values are on the host; the commit follows in the
+        background. Raises ``ValueError`` if ``step`` is not newer than the latest complete
+        checkpoint (orbax would otherwise skip the save silently, or keep the wrong ones)."""
+        self.wait()
+        last = latest_step(self.directory)
+        if last is not None and step <= last:
+            raise ValueError(
+                f"cannot save step {step} in {self.directory!r}: it is not newer than the latest checkpoint {last}"
+            )
+        _remove_incomplete_steps(self.directory)
+        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
+                                     META_ITEM: ocp.args.JsonSave(metadata)})
+        # force: we already enforced "newer than latest"; never let save_interval policies skip it.
+        if not self._open().save(step, args=args, force=True):
+            raise RuntimeError(f"orbax did not save step {step} in {self.directory!r}")
+        self._pending = step
+        if not self.async_save:
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (if any) to be committed, then record its files' sizes
+        and checksums (``integrity.json``)."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        self._manager.wait_until_finished()
+        _barrier(f"checkpointing:saved:{self.directory}:{step}")
+        if jax.process_index() == 0:
+            _write_integrity(_step_dir(self.directory, step))
+        _barrier(f"checkpointing:integrity:{self.directory}:{step}")
+
+    def close(self) -> None:
+        """Wait for the save in flight and release orbax's manager."""
+        self.wait()
+        if self._manager is not None:
+            self._manager.close()
+            self._manager = None
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     step: int,
@@ -239,32 +315,11 @@ def save_checkpoint(
     Raises ``ValueError`` if ``step`` is not newer than the latest complete checkpoint
     (orbax would otherwise skip the save silently, or keep the wrong checkpoints).
     """
-    directory = os.path.abspath(directory)
-    last = latest_step(directory)
-    if last is not None and step <= last:
-        raise ValueError(
-            f"cannot save step {step} in {directory!r}: it is not newer than the latest checkpoint {last}"
-        )
-    _remove_incomplete_steps(directory)
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep,
-        create=True,
-        # Tmp dirs of interrupted saves are never read back; clear them out.
-        cleanup_tmp_directories=True,
-        # Synchronous save: the caller relies on the checkpoint existing once we return.
-        enable_async_checkpointing=False,
-    )
-    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(metadata)})
-    with ocp.CheckpointManager(directory, options=options) as manager:
-        # force: we already enforced "newer than latest"; never let save_interval policies skip it.
-        saved = manager.save(step, args=args, force=True)
-        manager.wait_until_finished()
-    if not saved:
-        raise RuntimeError(f"orbax did not save step {step} in {directory!r}")
-    _barrier(f"checkpointing:saved:{directory}:{step}")
-    if jax.process_index() == 0:
-        _write_integrity(_step_dir(directory, step))
-    _barrier(f"checkpointing:integrity:{directory}:{step}")
+    saver = CheckpointSaver(directory, max_to_keep)
+    try:
+        saver.save(step, state, metadata)
+    finally:
+        saver.close()
 
 
 # ---------------------------------------------------------------------------------------

@@ -37,11 +37,13 @@ def _host(tree):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("ckpt"))
-    a = _trainer(2, 2, "--use-distributed-optimizer")
+    # Saved in the background: the next steps run (and donate the params) while it is written.
+    a = _trainer(2, 2, "--use-distributed-optimizer", "--async-save")
     for _ in range(3):
         a.step()
     a.save(directory)
     later = [a.step()["loss"] for _ in range(LATER)]
+    a.finish_saving()
     return directory, later
 
 
@@ -99,6 +101,12 @@ def test_other_virtual_pipeline_size_is_refused(saved):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
         b.load(directory, load_optimizer=False)
+
+
+def test_unwritable_save_directory_is_a_clear_error(saved, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"--save {tmp_path / 'file' / 'ckpt'}: cannot create or write"):
+        _trainer(1, 1, "--save", str(tmp_path / "file" / "ckpt"))
 
 
 def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path):

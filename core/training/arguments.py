@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="load only parameters (e.g. into another layout)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background while training goes on (orbax async checkpointing)")
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
     g.add_argument("--log-interval", type=int, default=10)

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import itertools
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -283,6 +284,13 @@ class Pretrainer:
     def __init__(self, args: argparse.Namespace, layout: ParallelLayout, state: ParallelState,
                  logger: TrainingLogger | None = None):
         self.args, self.layout, self.state = args, layout, state
+        if args.save:  # fail now, not at the first checkpoint
+            try:
+                os.makedirs(args.save, exist_ok=True)
+                if not os.access(args.save, os.W_OK):
+                    raise PermissionError("permission denied")
+            except OSError as e:
+                raise ValueError(f"--save {args.save}: cannot create or write the directory ({e})") from None
         self.data = PretrainingData(args, state)
         self.config = model_config(args, self.data.vocab_size)  # the tokenizer decides the vocabulary
         try:  # again, with the tokenizer's vocabulary (validate_args checked the flags' model)
@@ -309,6 +317,7 @@ class Pretrainer:
         self._peak = None
         self.iteration = 0
         self.skipped_checkpoints: list[str] = []
+        self._saver: checkpointing.CheckpointSaver | None = None
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
@@ -402,12 +411,35 @@ class Pretrainer:
     def save(self, directory: str) -> None:
         """Checkpoint params, optimizer state, data position, seed and iteration (atomic). The
         optimizer state is stored in the layout-independent form
-        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`)."""
+        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`). With
+        ``--async-save`` this returns once the values are on the host (the previous save, if
+        still in flight, is waited for first); :meth:`finish_saving` waits for the last one.
+        Raises :class:`TrainingError` when the directory cannot be written (earlier checkpoints
+        stay intact)."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
                 "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
                 "optimizer_format": OPTIMIZER_FORMAT}
         state = {"params": self.params, "opt_state": self.ddp.optimizer_state_to_global(self.opt_state)}
-        checkpointing.save_checkpoint(directory, self.iteration, state, meta)
+        if self._saver is None or self._saver.directory != os.path.abspath(directory):
+            self.finish_saving()
+            self._saver = checkpointing.CheckpointSaver(directory, async_save=bool(self.args.async_save))
+        try:
+            self._saver.save(self.iteration, state, meta)
+        except OSError as e:
+            self._saver = None
+            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {e}; "
+                                "the earlier checkpoints are intact") from None
+
+    def finish_saving(self) -> None:
+        """Wait for an asynchronous save in flight to be committed (a no-op otherwise)."""
+        if self._saver is not None:
+            try:
+                self._saver.close()
+            except OSError as e:
+                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {e}; "
+                                    "the earlier checkpoints are intact") from None
+            finally:
+                self._saver = None
 
     def load(self, directory: str, load_optimizer: bool = True) -> bool:
         """Resume from the newest intact checkpoint in ``directory`` in this run's layout, whatever
@@ -479,7 +511,14 @@ class Pretrainer:
         return i == 1 or i == stop or i % args.log_interval == 0 or evaluate or save
 
     def train(self) -> list[dict[str, Any]]:
-        """Run to ``--train-iters`` (or ``--exit-interval``); returns every iteration's record."""
+        """Run to ``--train-iters`` (or ``--exit-interval``); returns every iteration's record.
+        Returns (or raises) only once the last checkpoint is committed."""
+        try:
+            return self._train_loop()
+        finally:
+            self.finish_saving()
+
+    def _train_loop(self) -> list[dict[str, Any]]:
         args, log = self.args, self.logger
         records, pending = [], []
         stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
