@@ -42,6 +42,7 @@ from core.distributed.array_utils import fold_rng_over_axis
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
+from core.distributed.spiky_loss import check_spiky_loss
 from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import DP_AXIS, ParallelState
@@ -258,7 +259,8 @@ class DistributedDataParallel:
         is a pytree of global arrays whose dim 0 (the global batch) is split over data
         parallelism and then into ``num_microbatches``. Metrics: ``loss`` (global mean),
         ``grad_norm`` (before clipping), ``nonfinite`` (device-local per-param flags),
-        ``skipped`` (update skipped because of a NaN/Inf grad).
+        ``skipped`` (update skipped because of a NaN/Inf grad, or a large grad or a spiky loss when
+        those checks are on; then also ``large_grads`` / ``spiky_loss`` and ``recent_max_loss``).
 
         ``params`` and ``opt_state`` are donated, updated in place as Megatron's optimizer
         does (without it every step allocates and writes a second copy of the parameters;
@@ -288,6 +290,8 @@ class DistributedDataParallel:
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
         if self.ddp_config.check_for_large_grads:
             metric_specs["large_grads"] = self.local_spec
+        if self.ddp_config.check_for_spiky_loss:
+            metric_specs.update(spiky_loss=P(), recent_max_loss=P())
         programs: dict[Any, Callable] = {}
 
         def jitted(params, opt_state, batch, *rest):
@@ -376,21 +380,26 @@ class DistributedDataParallel:
             # A NaN/Inf in any rank's grads makes the global grad norm non-finite on every rank:
             # the skip needs no collective of its own, and the per-param flags that name the
             # culprits are computed only when it happens.
-            large = None
-            if ddp_config.check_for_large_grads:  # local grads, before any collective (Megatron)
-                opt_state, large, any_large = opt.check_large_grads(opt_state, grad_leaves)
-            new_leaves, new_opt, grad_norm, skipped = opt.step(
-                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad,
-                skip=None if large is None else any_large)
-            flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
-            new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             if per_token_loss:
                 mean_loss = lax.psum(loss, dp_axes) / jnp.maximum(lax.psum(tokens, dp_axes), 1.0)
             else:
                 mean_loss = lax.pmean(loss, dp_axes)
-            metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped}
-            if large is not None:
-                metrics["large_grads"] = jax.tree.map(lambda x: x[None], large)
+            large, skip, extra = None, None, {}
+            if ddp_config.check_for_large_grads:  # local grads, before any collective (Megatron)
+                opt_state, large, skip = opt.check_large_grads(opt_state, grad_leaves)
+                extra["large_grads"] = jax.tree.map(lambda x: x[None], large)
+            if ddp_config.check_for_spiky_loss:  # the global mean loss: the same verdict on every rank
+                tracker, spiky, recent_max = check_spiky_loss(opt_state["spiky_loss"], mean_loss,
+                                                              ddp_config.spiky_loss_factor)
+                opt_state = {**opt_state, "spiky_loss": tracker}
+                skip = spiky if skip is None else skip | spiky
+                extra.update(spiky_loss=spiky, recent_max_loss=recent_max)
+            new_leaves, new_opt, grad_norm, skipped = opt.step(
+                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad, skip=skip)
+            flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
+            new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
+            metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped,
+                       **extra}
             return new_params, opt.state_from_local(new_opt), metrics
 
         return body
@@ -404,6 +413,8 @@ class DistributedDataParallel:
         """
         if not bool(metrics["skipped"]):
             return
+        if bool(metrics.get("spiky_loss", False)) and np.isfinite(float(metrics["grad_norm"])):
+            return  # skipped for a spiky loss, reported by the caller; nothing is NaN
         from jax.experimental import multihost_utils
 
         from core.distributed.grad_sync import LargeGradientError, large_grads_message

@@ -57,6 +57,12 @@ class DistributedDataParallelConfig:
     the first 100 finite bucket norms this rank saw (Megatron's ``is_unexpectedly_large``, kept in the
     optimizer state); a large one on any rank skips the update everywhere, sets the ``large_grads``
     metric and makes ``check_nonfinite`` raise naming bucket, params and rank."""
+    check_for_spiky_loss: bool = False
+    """Skip the update when the step's loss is above ``spiky_loss_factor`` x the largest of the last
+    100 accepted losses (after 10 of them; ``core.distributed.spiky_loss``, tracker kept in the
+    optimizer state); sets the ``spiky_loss`` and ``recent_max_loss`` metrics."""
+    spiky_loss_factor: float = 10.0
+    """The multiple of the recent maximum loss above which a loss is spiky (Megatron's threshold 10)."""
     bucket_size: int | None = None
     """Elements per bucket. None: Megatron's default max(40M, 1M * dp) when overlapping, one bucket
     otherwise. An explicit value is honoured even without overlap (Megatron silently ignores it)."""
@@ -70,6 +76,8 @@ class DistributedDataParallelConfig:
     """Average in the collective (pmean) instead of pre-scaling grads by 1/dp and summing."""
 
     def __post_init__(self) -> None:
+        if not self.spiky_loss_factor > 1.0:
+            raise ValueError(f"spiky_loss_factor must be > 1, got {self.spiky_loss_factor}")
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive int or None, got {self.bucket_size!r}")
         n = self.num_distributed_optimizer_instances

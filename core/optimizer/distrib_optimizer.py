@@ -57,12 +57,15 @@ from core.distributed.param_and_grad_buffer import (
     flatten_to_buckets,
     unflatten_from_buckets,
 )
+from core.distributed.spiky_loss import init_spiky_loss_tracker
 from core.optimizer.clip_grads import bucket_norm_weights, clip_coefficient, get_grad_norm_fp32
 from core.optimizer.optimizer_config import OptimizerConfig, get_optax_transformation
 from core.parallel_state import PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import ParamInfo
 
 Buckets = tuple[jax.Array, ...]
+TRACKERS = ("large_grads", "spiky_loss")
+"""Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +187,8 @@ class DistributedOptimizer:
     def init(self, param_leaves: Sequence[jax.Array]) -> dict[str, Any]:
         """Optimizer state for this rank: fp32 masters of non-fp32 params (per leaf, or this rank's
         bucket shards when distributed) and the optax state of the same values; with
-        ``check_for_large_grads`` also this rank's tracker of that check (``"large_grads"``)."""
+        ``check_for_large_grads`` / ``check_for_spiky_loss`` also this rank's tracker of that
+        check (``"large_grads"``, ``"spiky_loss"``)."""
         if self.sharded:
             shards = self._param_shards(param_leaves)
             master = tuple(s if spec.key.param_dtype != "float32" else ()
@@ -193,9 +197,16 @@ class DistributedOptimizer:
         else:
             master = tuple(p.astype(jnp.float32) if p.dtype != jnp.float32 else () for p in param_leaves)
             state = {"master": master, "inner": self._tx().init(self._current_leaves(master, param_leaves))}
+        return {**state, **self._init_trackers()}
+
+    def _init_trackers(self) -> dict[str, Any]:
+        """The per-device trackers of the checks that are on (``large_grads``, ``spiky_loss``)."""
+        trackers = {}
         if self.ddp_config.check_for_large_grads:
-            state["large_grads"] = init_large_grad_tracker()
-        return state
+            trackers["large_grads"] = init_large_grad_tracker()
+        if self.ddp_config.check_for_spiky_loss:
+            trackers["spiky_loss"] = init_spiky_loss_tracker()
+        return trackers
 
     def _local_param_shapes(self) -> list[jax.ShapeDtypeStruct]:
         shapes = {i: jax.ShapeDtypeStruct(shape, jnp.dtype(spec.key.param_dtype))
@@ -218,32 +229,29 @@ class DistributedOptimizer:
         inner = optax.tree_utils.tree_map_params(self._tx(), lambda _, spec: spec, shape["inner"], list(param_specs),
                                                  transform_non_params=lambda _: P())
         specs = {"master": master, "inner": inner}
-        if "large_grads" in shape:  # every rank's own tracker
-            specs["large_grads"] = device_local
+        for key in TRACKERS:  # every rank's own tracker
+            if key in shape:
+                specs[key] = device_local
         return specs
 
     def state_to_local(self, opt_state: Any) -> Any:
         """Inside ``shard_map``: the state as :meth:`step` takes it (drops the per-device axis of a
-        distributed state, and of the ``large_grads`` tracker)."""
+        distributed state, and of the trackers)."""
         if self.sharded:
             return jax.tree.map(lambda x: x[0], opt_state)
-        if "large_grads" in opt_state:
-            return {**opt_state, "large_grads": jax.tree.map(lambda x: x[0], opt_state["large_grads"])}
-        return opt_state
+        return {k: jax.tree.map(lambda x: x[0], v) if k in TRACKERS else v for k, v in opt_state.items()}
 
     def state_from_local(self, opt_state: Any) -> Any:
         """Inverse of :meth:`state_to_local`."""
         if self.sharded:
             return jax.tree.map(lambda x: x[None], opt_state)
-        if "large_grads" in opt_state:
-            return {**opt_state, "large_grads": jax.tree.map(lambda x: x[None], opt_state["large_grads"])}
-        return opt_state
+        return {k: jax.tree.map(lambda x: x[None], v) if k in TRACKERS else v for k, v in opt_state.items()}
 
     # -- the layout-independent form (checkpoints) -------------------------------------------
     def global_state_specs(self, param_specs: Sequence[P]) -> Any:
         """``shard_map`` specs of :meth:`state_to_global`'s form: the replicated optimizer's state
         (fp32 masters of non-fp32 params and optax's parameter-shaped leaves split like their
-        parameters, step counts replicated), without the per-device ``large_grads`` tracker."""
+        parameters, step counts replicated), without the per-device trackers."""
         shapes = self._local_param_shapes()
         fp32 = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in shapes]
         inner = optax.tree_utils.tree_map_params(self._tx(), lambda _, spec: spec,
@@ -277,8 +285,8 @@ class DistributedOptimizer:
 
     def state_from_global(self, global_state: dict[str, Any]) -> dict[str, Any]:
         """Inverse of :meth:`state_to_global` in this optimizer's layout (inside ``shard_map``):
-        distributed, each rank cuts its bucket shards out of the parameters' values. A
-        ``large_grads`` tracker starts afresh."""
+        distributed, each rank cuts its bucket shards out of the parameters' values. The
+        trackers (``large_grads``, ``spiky_loss``) start afresh."""
         state = {"master": global_state["master"], "inner": global_state["inner"]}
         if self.sharded:
             n = len(self.flags.decay)
@@ -294,9 +302,7 @@ class DistributedOptimizer:
                                    else () for s in self.specs])
             state = {"master": tuple(m if s.key.param_dtype != "float32" else ()
                                      for s, m in zip(self.specs, shards, strict=True)), "inner": inner}
-        if self.ddp_config.check_for_large_grads:
-            state["large_grads"] = init_large_grad_tracker()
-        return state
+        return {**state, **self._init_trackers()}
 
     @staticmethod
     def _current_leaves(master: Sequence[Any], param_leaves: Sequence[jax.Array]) -> list[jax.Array]:
@@ -393,7 +399,7 @@ class DistributedOptimizer:
             new_values, inner = lax.cond(skip, lambda ops: (ops[3], ops[2]), update, operands)
         master = tuple(v if _has_master(m) else () for m, v in zip(opt_state["master"], new_values, strict=True))
         skipped = jnp.zeros((), bool) if skip is None else skip
-        new_state = {**opt_state, "master": master, "inner": inner}  # keeps the large_grads tracker
+        new_state = {**opt_state, "master": master, "inner": inner}  # keeps the trackers
         if not self.sharded:
             new_leaves = {i: v.astype(p.dtype) for i, (v, p) in enumerate(zip(new_values, param_leaves, strict=True))}
             return new_leaves, new_state, grad_norm, skipped

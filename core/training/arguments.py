@@ -125,6 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="load only parameters (e.g. into another layout)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="skip the update of a step with a NaN/Inf gradient and name the parameters and ranks "
+                        "that had it (the run stops at a non-finite loss or grad norm either way)")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="skip the update of a step whose loss is above --spiky-loss-factor x the largest of the "
+                        "last 100 losses, with a warning line")
+    g.add_argument("--spiky-loss-factor", type=float, default=10.0,
+                   help="multiple of the recent maximum loss that counts as spiky (Megatron's 10)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background while training goes on (orbax async checkpointing)")
     g.add_argument("--eval-interval", type=int, default=50)
@@ -211,6 +219,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise ArgumentError(str(e).replace("_", "-")) from None
+    if not args.spiky_loss_factor > 1.0:
+        raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
     if args.save_interval is not None and args.save_interval < 1:
         raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:

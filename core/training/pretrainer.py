@@ -309,7 +309,8 @@ class Pretrainer:
         # parameters left unchanged would never be used; the skip's conditional costs ~1% of a CPU step.
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
-            grad_reduce_in_fp32=True)
+            grad_reduce_in_fp32=True, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+            check_for_spiky_loss=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor)
         optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                     adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
         self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
@@ -361,23 +362,39 @@ class Pretrainer:
         self.iteration += 1
         lr = float(self.learning_rates[min(self.iteration, len(self.learning_rates)) - 1])
         return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "loss": metrics["loss"], "lr": lr, "grad_norm": metrics["grad_norm"]}
+                "loss": metrics["loss"], "lr": lr, "grad_norm": metrics["grad_norm"], "_metrics": metrics}
 
     def collect(self, pending: list[dict[str, Any]], elapsed: float) -> list[dict[str, Any]]:
         """Read back the pending records' losses and grad norms (one transfer; waits for the last
         step) and add timing over the ``elapsed`` seconds they took together. Raises
         :class:`TrainingError` at the first non-finite value."""
-        values = jax.device_get([(r["loss"], r["grad_norm"]) for r in pending])
+        values = jax.device_get([(r["loss"], r["grad_norm"], r["_metrics"].get("spiky_loss", False),
+                                  r["_metrics"].get("recent_max_loss", 0.0)) for r in pending])
         per_step = elapsed / max(1, len(pending))
         tokens = self.args.global_batch_size * self.args.seq_length
         records = []
-        for record, (loss, grad_norm) in zip(pending, values):
+        for record, (loss, grad_norm, spiky, recent_max) in zip(pending, values):
             loss, grad_norm = float(loss), float(grad_norm)
+            metrics = record.pop("_metrics")
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                where = ""
+                if self.args.check_for_nan_in_loss_and_grad:
+                    try:
+                        self.ddp.check_nonfinite(metrics)
+                    except FloatingPointError as e:
+                        where = f" {e}"
                 raise TrainingError(f"iteration {record['iteration']}: loss is {loss}, grad norm is {grad_norm} "
-                                    "(NaN/Inf in the loss or gradients); stopping, the last checkpoint is kept")
-            records.append({**record, "loss": loss, "grad_norm": grad_norm, "tokens_per_sec": tokens / per_step,
-                            "step_time_s": per_step})
+                                    f"(NaN/Inf in the loss or gradients);{where} stopping, the last checkpoint "
+                                    "is kept")
+            record = {**record, "loss": loss, "grad_norm": grad_norm, "tokens_per_sec": tokens / per_step,
+                      "step_time_s": per_step}
+            if bool(spiky):
+                record["skipped"] = True
+                if self.logger:
+                    self.logger.print(f"WARNING: iteration {record['iteration']}: loss {loss:.4f} is above "
+                                      f"{self.args.spiky_loss_factor:g} x the recent maximum {float(recent_max):.4f} "
+                                      "(spiky); the update was skipped")
+            records.append(record)
         return records
 
     def step(self) -> dict[str, Any]:

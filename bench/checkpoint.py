@@ -1,0 +1,154 @@
+"""Checkpoint cost: save and load time and size vs model size, and the step-time stall of a save.
+
+    python bench/checkpoint.py            # ~3 min on 2 cores
+    python bench/checkpoint.py --quick    # tiny sizes, ~1 min
+
+For each model (the ``launch/pretrain.py`` default, then wider ones), one process trains with
+``Pretrainer`` at tp=pp=1 over ``--devices`` CPU devices with the distributed optimizer (the
+optimizer state is then stored sharded and gathered into the layout-independent form on save),
+and measures, side by side in one run:
+
+* **size**: parameters, parameters + Adam state (bytes), and the checkpoint on disk;
+* **save**: a synchronous ``Pretrainer.save`` (gather, write, commit, integrity record), median
+  of ``--reps``;
+* **load**: ``Pretrainer.load`` into a fresh trainer of the same layout (restore into the
+  shardings and re-cut the distributed optimizer's shards), median of ``--reps``;
+* **async stall**: ``--steps`` training steps with an ``--async-save`` save issued before them,
+  minus the same steps without a save (medians over ``--reps`` rounds, alternated), as a share of
+  one step: the time the training loop loses to a background save (the blocking part, the host
+  copy, plus the slowdown of the steps that share the cores with the writer thread). The
+  blocking part alone is reported too.
+
+Prints a table and writes ``bench/results/checkpoint.md`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MIB = 1024 * 1024
+
+
+def _trainer(model_flags: list[str], devices: int, extra: list[str]) -> Any:
+    import jax
+
+    from core import parallel_state as ps
+    from core.training.arguments import parse_args, validate_args
+    from core.training.pretrainer import Pretrainer
+
+    args = parse_args([*model_flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                       "--use-distributed-optimizer", "--train-iters", "1000", "--eval-interval", "100000",
+                       "--no-progress-bar", *extra])
+    layout = validate_args(args, devices)
+    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:devices]))
+
+
+def _disk_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)
+
+
+def _steps(trainer: Any, n: int) -> float:
+    import jax
+
+    start = time.perf_counter()
+    pending = [trainer.dispatch_step() for _ in range(n)]
+    jax.block_until_ready([p["loss"] for p in pending])
+    return time.perf_counter() - start
+
+
+def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir: str) -> dict[str, Any]:
+    """One model's row (see the module docstring)."""
+    import jax
+
+    trainer = _trainer(model_flags, devices, ["--async-save"])
+    _steps(trainer, 2)  # compile
+    params = sum(x.size for x in jax.tree.leaves(trainer.params))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
+        x.nbytes for x in jax.tree.leaves(trainer.ddp.optimizer_state_to_global(trainer.opt_state)))
+    sync_dir, async_dir = os.path.join(workdir, "sync"), os.path.join(workdir, "async")
+    trainer.args.async_save = False
+    trainer.save(sync_dir)  # compiles the gather program
+    saves, loads, stalls, blocking, plain = [], [], [], [], []
+    loader = _trainer(model_flags, devices, [])
+    loader.load(sync_dir)  # compiles the re-cut program
+    for _ in range(reps):
+        _steps(trainer, 1)
+        start = time.perf_counter()
+        trainer.save(sync_dir)
+        saves.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        loader.load(sync_dir)
+        jax.block_until_ready(loader.opt_state)
+        loads.append(time.perf_counter() - start)
+        # Alternate: steps alone, then an async save followed by the same number of steps.
+        plain.append(_steps(trainer, steps))
+        trainer.args.async_save = True
+        trainer.finish_saving()
+        start = time.perf_counter()
+        trainer.save(async_dir)
+        blocking.append(time.perf_counter() - start)
+        stalls.append(blocking[-1] + _steps(trainer, steps))
+        trainer.finish_saving()
+        trainer.args.async_save = False
+    step = statistics.median(plain) / steps
+    size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
+    shutil.rmtree(workdir, ignore_errors=True)
+    return {"model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
+            "disk_mib": size / MIB, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+            "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking) * 1e3,
+            "stall_share": (statistics.median(stalls) - statistics.median(plain)) / step}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`measure`'s rows."""
+    lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking | "
+             "async stall / step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['state_mib']:.1f} MiB | {r['disk_mib']:.1f} MiB "
+                     f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms | {r['blocking_ms']:.0f} ms "
+                     f"| {r['stall_share']:.0%} |")
+    return "\n".join(lines)
+
+
+MODELS = [[], ["--hidden-size", "512", "--num-attention-heads", "8"],
+          ["--hidden-size", "1024", "--num-attention-heads", "16"]]
+QUICK_MODELS = [["--num-layers", "1", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
+                 "--global-batch-size", "4"]]
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark; returns the rows."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one tiny model, one round")
+    p.add_argument("--devices", type=int, default=2, help="CPU devices of the one process (data parallel)")
+    p.add_argument("--steps", type=int, default=10, help="steps timed after each async save")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
+    a = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(a.devices))
+    models, reps, steps = (QUICK_MODELS, 1, 2) if a.quick else (MODELS, a.reps, a.steps)
+    rows = []
+    for flags in models:
+        with tempfile.TemporaryDirectory() as workdir:
+            rows.append(measure(flags, a.devices, steps, reps, workdir))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+    text = table(rows)
+    print(text)
+    if not a.quick:
+        Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""``bench/checkpoint.py``'s measurement runs on a tiny model and gives positive, finite numbers
+(no timing assertions)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_checkpoint", ROOT / "bench" / "checkpoint.py")
+bench_checkpoint = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_checkpoint)
+
+
+def test_checkpoint_row_is_sane(tmp_path):
+    row = bench_checkpoint.measure(bench_checkpoint.QUICK_MODELS[0], 2, steps=2, reps=1, workdir=str(tmp_path / "w"))
+    for key in ("params", "state_mib", "disk_mib", "save_s", "load_s", "step_ms", "blocking_ms"):
+        assert math.isfinite(row[key]) and row[key] > 0, key
+    assert 0.5 * row["state_mib"] < row["disk_mib"] < 2 * row["state_mib"]  # params + Adam moments, compressed
+    assert f"| {row['params'] / 1e6:.2f}M |" in bench_checkpoint.table([row])

@@ -1,0 +1,69 @@
+"""Loss-curve guards of ``launch/pretrain.py`` (one process, simulated devices):
+``--check-for-nan-in-loss-and-grad`` names the parameters and ranks of a NaN gradient, and
+``--check-for-spiky-loss`` skips the update of a step whose loss jumps above the recent ones."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pretrain_harness import TINY
+
+from core import parallel_state as ps
+from core.training.arguments import parse_args, validate_args
+from core.training.pretrainer import Pretrainer, TrainingError
+
+ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+
+
+def _trainer(*extra):
+    args = parse_args([*TINY, *ONE, "--num-layers", "2", "--train-iters", "40", *extra])
+    layout = validate_args(args, 2)
+    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+
+
+def _poison(params):
+    """A NaN in one element of the final norm's weight."""
+    leaves, treedef = jax.tree.flatten(params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    i = next(i for i, p in enumerate(paths) if "final" in p and "scale" in p)
+    leaves[i] = leaves[i].at[0].set(jnp.nan)
+    return jax.tree.unflatten(treedef, leaves), paths[i]
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["named", "unnamed"])
+def test_nan_gradient_stops_the_run_naming_params_and_ranks(check):
+    t = _trainer(*(["--check-for-nan-in-loss-and-grad"] if check else []))
+    t.step()
+    t.params, poisoned = _poison(t.params)
+    with pytest.raises(TrainingError) as err:
+        t.step()
+    message = str(err.value)
+    assert message.startswith("iteration 2: loss is nan") and "stopping, the last checkpoint is kept" in message
+    if check:  # every parameter's gradient is NaN on both ranks; the first ten pairs are named
+        n = len(jax.tree.leaves(t.params))
+        assert f"NaN or Inf in local gradients ({2 * n} param/rank pairs)" in message
+        assert f"rank 0: params{poisoned}" in message
+    else:
+        assert "params" not in message
+
+
+def test_spiky_loss_skips_the_update_and_training_goes_on():
+    t = _trainer("--check-for-spiky-loss", "--spiky-loss-factor", "1.5")
+    losses = [t.step()["loss"] for _ in range(12)]
+    assert not any(r.get("skipped") for r in [t.step()])
+    kept = jax.tree.map(np.asarray, t.params)
+    t.params = jax.tree.map(lambda x: x * 30.0 if x.ndim == 2 else x, t.params)  # logits blow up
+    spiked = jax.tree.map(np.asarray, t.params)
+    record = t.step()
+    assert record["skipped"] and record["loss"] > 1.5 * max(losses)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, t.params), spiked)  # no update
+    t.params = jax.tree.map(jnp.asarray, kept)
+    record = t.step()
+    assert "skipped" not in record and record["loss"] < 1.5 * max(losses)
+
+
+def test_spiky_loss_factor_must_exceed_one():
+    from core.training.arguments import ArgumentError
+
+    with pytest.raises(ArgumentError, match="--spiky-loss-factor must be > 1, got 1.0"):
+        validate_args(parse_args([*TINY, *ONE, "--spiky-loss-factor", "1.0"]), 2)
