@@ -93,6 +93,14 @@ def _key(seed: int = 0) -> jax.Array:
     return jax.random.key(seed, impl="rbg")
 
 
+def _fast_init(module, state: ps.ParallelState, args: tuple, in_specs: tuple):
+    """``init_sharded_params`` compiled with :data:`FAST_COMPILE`: ``(params, specs)``."""
+    shard = lambda fn, out: jax.shard_map(fn, mesh=state.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+    specs = jax.tree.map(lambda i: i.partition_spec, param_info_tree(jax.eval_shape(shard(module.init, P()), *args)))
+    params = jax.jit(shard(lambda *a: unbox(module.init(*a)), specs), compiler_options=FAST_COMPILE)(*args)
+    return params, specs
+
+
 @functools.cache
 def _initial(name: str):
     """Global parameters of config ``name``: the layer's parameter tree (shapes from an abstract
@@ -359,21 +367,12 @@ def test_layer_equals_reference_on_one_device(name):
 
 
 def test_initial_experts_do_not_depend_on_ep():
-    cfg = _config("seq_aux_shared_swiglu")
-    x = _inputs()[0]
-    module = _module(cfg)
-
-    def init(ep):
-        state = _state(ep)
-        boxed = jax.eval_shape(jax.shard_map(module.init, mesh=state.mesh, in_specs=(P(), _x_spec(1)), out_specs=P(),
-                                             check_vma=False), _key(), x)
-        specs = jax.tree.map(lambda i: i.partition_spec, param_info_tree(boxed))
-        return jax.jit(jax.shard_map(lambda k, x: unbox(module.init(k, x)), mesh=state.mesh, in_specs=(P(), _x_spec(1)),
-                                     out_specs=specs, check_vma=False), compiler_options=FAST_COMPILE)(_key(), x)
-
-    one, eight = init(1), init(8)
-    assert eight["params"]["experts"]["weight1"].sharding.spec[0] == "ep"
+    """Expert weights are drawn at their global [E, ...] shape and sliced: equal at ep=1 and ep=8."""
+    one, eight = (_fast_init(GroupedMLP(E // ep, H, F, gated_linear_unit=True), _state(ep),
+                             (_key(), jnp.zeros((4, H)), jnp.zeros((E // ep,), jnp.int32)), (P(), P(), P()))[0]
+                  for ep in (1, 8))
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(eight), strict=True):
+        assert b.sharding.spec[0] == "ep"
         np.testing.assert_array_equal(a, b)
 
 
@@ -405,21 +404,23 @@ def test_tensor_sequence_parallel_with_expert_parallel_equals_reference():
 
 
 def test_grouped_mlp_equals_sequential_loop():
+    """ragged_dot GroupedMLP == the per-expert loop, outputs and grads, with empty and padding groups."""
     state = _state(devices=1)
-    rows = jax.random.normal(jax.random.key(3), (20, H))
+    rng = np.random.default_rng(3)
+    rows = jnp.asarray(rng.normal(size=(20, H)), jnp.float32)
     sizes = jnp.array([3, 0, 7, 2], jnp.int32)  # 12 rows in groups, 8 padding rows
+    shapes = {"weight1": (4, H, 2 * F), "weight2": (4, F, H), "bias1": (4, 2 * F), "bias2": (4, H)}
+    params = {"params": {k: jnp.asarray(rng.normal(size=v) * 0.3, jnp.float32) for k, v in shapes.items()}}
     outs = []
     for cls in (GroupedMLP, SequentialMLP):
         module = cls(4, H, F, gated_linear_unit=True)
-        params, specs, _ = init_sharded_params(module.init, state.mesh, (_key(), rows, sizes),
-                                               (P(), P(), P()))
 
         def loss(p, r, module=module):
             return jnp.sum(jnp.sin(module.apply(p, r, sizes)[:12]))
 
-        fn = jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=state.mesh, in_specs=(specs, P()),
+        fn = jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=state.mesh, in_specs=(P(), P()),
                            out_specs=P(), check_vma=False)
-        outs.append(jax.jit(fn)(params, rows))
+        outs.append(jax.jit(fn, compiler_options=FAST_COMPILE)(params, rows))
     for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         _close(got, want)
 
@@ -509,9 +510,9 @@ def test_moe_block_is_norm_layer_residual():
     cfg = _config("softmax_swiglu_shared")
     x, _ = _inputs()
     block = MoEBlock(cfg, H, batch_axes=DP_AXES, normalization="RMSNorm")
-    params, specs, _ = init_sharded_params(block.init, state.mesh, (_key(), x), (P(), P()))
+    params, _ = _fast_init(block, state, (_key(), x), (P(), P()))
     run = lambda f, *a: jax.jit(jax.shard_map(f, mesh=state.mesh, in_specs=(P(),) * len(a), out_specs=P(),
-                                              check_vma=False))(*a)
+                                              check_vma=False), compiler_options=FAST_COMPILE)(*a)
     out, aux = run(block.apply, params, x)
     inner = {"params": params["params"]["moe"]}
     normed = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * params["params"]["layernorm"]["scale"]
