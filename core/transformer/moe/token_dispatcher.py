@@ -76,10 +76,9 @@ class MoEAlltoAllTokenDispatcher:
         t, k = routing.indices.shape
         experts = routing.indices.reshape(-1)
         order, inverse, counts = sort_by_expert(experts, self.num_experts)
-        rows = x[order // k]  # [T * k, h], grouped by expert
         ctx: Context = {"inverse": inverse, "probs": routing.probs, "dtype": x.dtype}
         if self.ep == 1:
-            return rows, counts, ctx
+            return x[order // k], counts, ctx  # [T * k, h], grouped by expert
         ep, e_local = self.ep, self.num_local_experts
         width = t * min(k, e_local)  # worst-case rows to one destination
         dest_counts = counts.reshape(ep, e_local).sum(axis=1)
@@ -87,7 +86,8 @@ class MoEAlltoAllTokenDispatcher:
         slot = jnp.arange(width, dtype=jnp.int32)
         source = dest_start[:, None] + slot[None, :]  # [ep, width] index into rows
         filled = slot[None, :] < dest_counts[:, None]
-        send = jnp.where(filled[..., None], rows[jnp.minimum(source, t * k - 1)], 0)
+        token = (order // k)[jnp.minimum(source, t * k - 1)]  # gathered from x directly: no [T * k, h] copy
+        send = jnp.where(filled[..., None], x[token], 0)
         recv = lax.all_to_all(send.reshape(ep * width, -1), self.ep_axis, 0, 0, tiled=True)
         recv_counts = lax.all_to_all(counts.reshape(ep, e_local), self.ep_axis, 0, 0, tiled=True)  # [src, E_local]
         # Local expert of every received slot (E_local for padding), then group rows by it.
