@@ -168,8 +168,11 @@ def _top(row: np.ndarray, k: int) -> list[int]:
     return list(order[:k])
 
 
-def _decisions(cfg: MoEConfig, params, x):
-    """(selected, kept, aux-loss routing) as [T, E] bool arrays, decided in numpy with Python loops."""
+def _decisions(cfg: MoEConfig, params, x, ranks: int = 1):
+    """(selected, kept, aux-loss routing) as [T, E] bool arrays, decided in numpy with Python loops.
+
+    Capacity is per rank, as in Megatron: ``ranks`` data-parallel ranks hold ``B / ranks``
+    consecutive sequences each, and each expert keeps at most ``capacity`` of every rank's tokens."""
     p = params["params"]["router"]
     tokens = np.asarray(x, np.float64).reshape(-1, H)
     t_count, k = len(tokens), cfg.moe_router_topk
@@ -182,14 +185,15 @@ def _decisions(cfg: MoEConfig, params, x):
         selected[t, _top(score[t], k)] = True
     kept = selected.copy()
     if cfg.moe_expert_capacity_factor is not None:
-        capacity = math.ceil(t_count * k / E * cfg.moe_expert_capacity_factor)
+        capacity = math.ceil(t_count // ranks * k / E * cfg.moe_expert_capacity_factor)
         probs = _np_gates(cfg, logits, selected)
-        for e in range(E):
-            routed = [t for t in range(t_count) if selected[t, e]]
-            if cfg.moe_token_drop_policy == "probs":
-                routed.sort(key=lambda t: (-probs[t, e], t))
-            for t in routed[capacity:]:
-                kept[t, e] = False
+        for rank in range(ranks):
+            for e in range(E):  # token t = (s, b) is t = s * B + b; the rank's tokens in their local order
+                routed = [t for t in range(t_count) if selected[t, e] and (t % B) // (B // ranks) == rank]
+                if cfg.moe_token_drop_policy == "probs":
+                    routed.sort(key=lambda t: (-probs[t, e], t))
+                for t in routed[capacity:]:
+                    kept[t, e] = False
     aux_scores = _np_aux_scores(cfg, logits)
     aux_routed = np.zeros((t_count, E), bool)
     for t in range(t_count):
@@ -238,13 +242,13 @@ def _reference_loss(cfg: MoEConfig, decisions, params, x, w):
 
 
 @functools.cache
-def _reference(name: str):
+def _reference(name: str, ranks: int = 1):
     """(y, aux, z, param grads, x grad, decisions) of the reference for config ``name`` (jitted, the
     decisions baked in as constants)."""
     cfg = _config(name)
     params = jax.tree.map(jnp.asarray, _initial(name))
     x, w = _inputs()
-    decisions = _decisions(cfg, _initial(name), x)
+    decisions = _decisions(cfg, _initial(name), x, ranks)
     (_, (y, aux, z)), (gp, gx) = jax.jit(jax.value_and_grad(
         lambda p, x: _reference_loss(cfg, decisions, p, x, w), argnums=(0, 1), has_aux=True),
         compiler_options=FAST_COMPILE)(params, x)
@@ -326,9 +330,9 @@ def _assemble(stacked, spec: P, state: ps.ParallelState):
     return out
 
 
-def _check_against_reference(name: str, out, specs, state):
+def _check_against_reference(name: str, out, specs, state, ranks: int = 1):
     y, gx, grads, aux = out
-    ref_y, ref_aux, ref_z, ref_gp, ref_gx, _ = _reference(name)
+    ref_y, ref_aux, ref_z, ref_gp, ref_gx, _ = _reference(name, ranks)
     _close(y, ref_y, "output")
     _close(gx, ref_gx, "input grad")
     _close(np.sum(aux["aux_loss"]), ref_aux, "aux loss")
@@ -395,6 +399,16 @@ def test_allgather_dispatcher_equals_alltoall_at_ep4():
     _check_against_reference("softmax_swiglu_shared", *got)
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(_run("softmax_swiglu_shared", ep=4)[0]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(b).max())))
+
+
+def test_capacity_dropping_per_rank_at_ep4():
+    """With a capacity factor each rank drops over its own tokens (Megatron): position policy with
+    padding to capacity at ep=4 (dense dp 8, one sequence per rank), the reference deciding per rank."""
+    name = "sigmoid_expert_bias_top3_capacity_position_pad"
+    out, specs, state = _run(name, ep=4)
+    _check_against_reference(name, out, specs, state, ranks=8)
+    selected, kept, _ = _reference(name, 8)[-1]
+    assert (selected & ~kept).any()
 
 
 def test_tensor_sequence_parallel_with_expert_parallel_equals_reference():
