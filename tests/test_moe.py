@@ -46,7 +46,6 @@ CONFIGS = {
         moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
     "seq_aux_shared_swiglu": dict(moe_router_load_balancing_type="seq_aux_loss", swiglu=True,
                                   moe_shared_expert_intermediate_size=FS),
-    "gelu_allgather_sequential": dict(moe_grouped_gemm=False, moe_token_dispatcher_type="allgather"),
     "sigmoid_capacity_probs_pad": dict(moe_router_score_function="sigmoid", moe_expert_capacity_factor=0.5,
                                        moe_pad_expert_input_to_capacity=True),
     "capacity_position_sequential_swiglu": dict(moe_expert_capacity_factor=1.25, moe_token_drop_policy="position",
@@ -101,24 +100,28 @@ def _fast_init(module, state: ps.ParallelState, args: tuple, in_specs: tuple):
     return params, specs
 
 
-@functools.cache
-def _initial(name: str):
-    """Global parameters of config ``name``: the layer's parameter tree (shapes from an abstract
-    init on one device) drawn in numpy, weights larger than Megatron's init and biases nonzero so
-    every path matters, and a nonzero expert bias where enabled."""
-    module = _module(_config(name))
-    boxed = jax.eval_shape(jax.shard_map(module.init, mesh=_state(devices=1).mesh, in_specs=(P(), _x_spec(1)),
-                                         out_specs=P(), check_vma=False), _key(), _inputs()[0])
-    rng = np.random.default_rng(7)
+def _drawn_params(module, args: tuple, in_specs: tuple, seed: int = 7):
+    """The module's parameter tree on one device (shapes from an abstract init), drawn in numpy:
+    weights larger than Megatron's init and nonzero biases so every path matters, norm scales
+    around 1, the expert bias (where enabled) :data:`EXPERT_BIAS`."""
+    boxed = jax.eval_shape(jax.shard_map(module.init, mesh=_state(devices=1).mesh, in_specs=in_specs, out_specs=P(),
+                                         check_vma=False), *args)
+    rng = np.random.default_rng(seed)
 
     def draw(path, leaf):
         where = jax.tree_util.keystr(path)
         if "expert_bias" in where:
             return EXPERT_BIAS
         std = 0.1 if "bias" in where else 0.5 if "router" in where else 0.3
-        return (rng.normal(size=leaf.shape) * std).astype(np.float32)
+        return (("scale" in where) + rng.normal(size=leaf.shape) * std).astype(np.float32)
 
     return jax.tree_util.tree_map_with_path(draw, unbox(boxed))
+
+
+@functools.cache
+def _initial(name: str):
+    """Global parameters of config ``name`` (:func:`_drawn_params`)."""
+    return _drawn_params(_module(_config(name)), (_key(), _inputs()[0]), (P(), _x_spec(1)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,13 +527,15 @@ def test_moe_block_is_norm_layer_residual():
     cfg = _config("softmax_swiglu_shared")
     x, _ = _inputs()
     block = MoEBlock(cfg, H, batch_axes=DP_AXES, normalization="RMSNorm")
-    params, _ = _fast_init(block, state, (_key(), x), (P(), P()))
-    run = lambda f, *a: jax.jit(jax.shard_map(f, mesh=state.mesh, in_specs=(P(),) * len(a), out_specs=P(),
-                                              check_vma=False), compiler_options=FAST_COMPILE)(*a)
-    out, aux = run(block.apply, params, x)
-    inner = {"params": params["params"]["moe"]}
-    normed = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * params["params"]["layernorm"]["scale"]
-    want, want_aux = run(_module(cfg).apply, inner, normed)
+    params = _drawn_params(block, (_key(), x), (P(), P()))
+    inner = _module(cfg)
+
+    def both(p, x):  # the block, and the layer on the block's norm, in one program
+        normed = x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * p["params"]["layernorm"]["scale"]
+        return block.apply(p, x), inner.apply({"params": p["params"]["moe"]}, normed)
+
+    (out, aux), (want, want_aux) = jax.jit(jax.shard_map(both, mesh=state.mesh, in_specs=(P(), P()), out_specs=P(),
+                                                         check_vma=False), compiler_options=FAST_COMPILE)(params, x)
     _close(out, x + want)
     _close(aux["aux_loss"], want_aux["aux_loss"])
 
