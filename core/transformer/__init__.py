@@ -1,0 +1,1 @@
+"""Transformer building blocks beyond the tensor-parallel layers (Megatron's ``core/transformer``)."""

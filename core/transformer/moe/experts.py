@@ -1,0 +1,126 @@
+"""The routed experts: ``GroupedMLP`` (one ``jax.lax.ragged_dot`` over all local experts) and
+``SequentialMLP`` (a loop over the local experts), with the same parameters.
+
+Both take the rows the dispatcher grouped by local expert, ``rows [M, h]`` with
+``group_sizes [E_local]`` (rows ``sum(group_sizes):`` are padding; their outputs are ignored), and
+return ``[M, h]``. The expert MLP is ``fc2(act(fc1(x)))`` with GELU (tanh form, as the dense
+``ParallelMLP``) or SwiGLU (``silu(x W_gate) * (x W_up)``), biases optional.
+
+Parameters, Megatron's ``GroupedMLP`` names: ``weight1 [E_local, h, F]`` (``[E_local, h, 2F]`` for
+SwiGLU: gate then up along the last dim), ``weight2 [E_local, F, h]``, ``bias1``, ``bias2``. Dim 0
+is split over the ``ep`` axis and every parameter is tagged ``expert`` (its gradient is reduced
+over the expert-data-parallel group); each is drawn at its global ``[E, ...]`` shape and sliced, so
+expert ``e`` has the same initial value at every ``ep``. Expert tensor parallelism is 1: under
+sequence parallelism the experts are replicated over tp and see each tp rank's own tokens, so the
+parameters are also tagged ``sequence_parallel`` (gradients summed over tp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.param_metadata import with_parallel_metadata
+from core.tensor_parallel.fast_vjp import gelu
+from core.tensor_parallel.layers import default_init_method
+from core.tensor_parallel.random import tensor_parallel_init
+
+EP_NAMES3 = ("ep", None, None)
+EP_NAMES2 = ("ep", None)
+
+
+def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Local expert of each of ``num_rows`` grouped rows (``len(group_sizes)`` for padding rows)."""
+    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows, dtype=group_sizes.dtype),
+                            side="right").astype(jnp.int32)
+
+
+class _ExpertMLPBase(nn.Module):
+    """Parameters and activation shared by the two expert implementations."""
+
+    num_local_experts: int
+    """Experts on this ep rank (``num_experts / ep``)."""
+    hidden_size: int
+    """Model width ``h``."""
+    ffn_hidden_size: int
+    """Expert MLP width ``F`` (``--moe-ffn-hidden-size``)."""
+    gated_linear_unit: bool = False
+    """SwiGLU instead of GELU."""
+    bias: bool = True
+    """Biases on both linear layers."""
+    sequence_parallel: bool = False
+    """Tokens are sequence shards of tp ranks: tag the parameters ``sequence_parallel``."""
+    init_method: Callable[..., jax.Array] = default_init_method
+    """``weight1`` initializer (global shape)."""
+    output_layer_init_method: Callable[..., jax.Array] = default_init_method
+    """``weight2`` initializer (global shape)."""
+    params_dtype: Any = jnp.float32
+    """Parameter dtype."""
+
+    def _params(self) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None]:
+        e, h, f = self.num_local_experts, self.hidden_size, self.ffn_hidden_size
+        f1 = 2 * f if self.gated_linear_unit else f
+
+        def meta(init: Callable[..., jax.Array], names: tuple) -> Callable[..., Any]:
+            return with_parallel_metadata(tensor_parallel_init(init, 0, "ep"), names, expert=True,
+                                          sequence_parallel=self.sequence_parallel)
+
+        w1 = self.param("weight1", meta(self.init_method, EP_NAMES3), (e, h, f1), self.params_dtype)
+        w2 = self.param("weight2", meta(self.output_layer_init_method, EP_NAMES3), (e, f, h), self.params_dtype)
+        b1 = b2 = None
+        if self.bias:
+            b1 = self.param("bias1", meta(nn.initializers.zeros, EP_NAMES2), (e, f1), self.params_dtype)
+            b2 = self.param("bias2", meta(nn.initializers.zeros, EP_NAMES2), (e, h), self.params_dtype)
+        return w1, b1, w2, b2
+
+    def _activation(self, x: jax.Array) -> jax.Array:
+        if self.gated_linear_unit:
+            gate, up = jnp.split(x, 2, axis=-1)
+            return jax.nn.silu(gate) * up
+        return gelu(x)
+
+
+class GroupedMLP(_ExpertMLPBase):
+    """All local experts as two grouped GEMMs (``jax.lax.ragged_dot``), Megatron's ``--moe-grouped-gemm``."""
+
+    @nn.compact
+    def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Expert outputs ``[M, h]`` of ``rows [M, h]`` grouped by local expert (``group_sizes [E_local]``)."""
+        w1, b1, w2, b2 = self._params()
+        gs = group_sizes.astype(jnp.int32)
+        gid = group_ids(gs, rows.shape[0])
+        valid = (gid < self.num_local_experts)[:, None]
+        safe = jnp.minimum(gid, self.num_local_experts - 1)
+        h = lax.ragged_dot(rows, w1.astype(rows.dtype), gs)
+        if b1 is not None:
+            h = h + jnp.where(valid, b1.astype(h.dtype)[safe], 0)
+        y = lax.ragged_dot(self._activation(h), w2.astype(rows.dtype), gs)
+        if b2 is not None:
+            y = y + jnp.where(valid, b2.astype(y.dtype)[safe], 0)
+        return y
+
+
+class SequentialMLP(_ExpertMLPBase):
+    """The local experts one after the other (Megatron's ``SequentialMLP``, ``--moe-grouped-gemm``
+    off): with static shapes each expert runs on all ``M`` rows and keeps its own group's."""
+
+    @nn.compact
+    def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """Same contract as :meth:`GroupedMLP.__call__`."""
+        w1, b1, w2, b2 = self._params()
+        gid = group_ids(group_sizes.astype(jnp.int32), rows.shape[0])
+        out = jnp.zeros(rows.shape[:-1] + (self.hidden_size,), rows.dtype)
+        for e in range(self.num_local_experts):
+            h = rows @ w1[e].astype(rows.dtype)
+            if b1 is not None:
+                h = h + b1[e].astype(h.dtype)
+            y = self._activation(h) @ w2[e].astype(rows.dtype)
+            if b2 is not None:
+                y = y + b2[e].astype(y.dtype)
+            out = jnp.where((gid == e)[:, None], y, out)
+        return out

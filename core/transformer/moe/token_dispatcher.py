@@ -1,0 +1,180 @@
+"""Token dispatchers: send each routed token to its expert's ep rank and bring the outputs back.
+
+Both run inside ``shard_map`` over the ``ep`` mesh axis (ep ranks hold different tokens and
+different experts) and group rows by expert with a stable sort of the ``T * k`` assignments
+(``argsort`` of expert ids), never a dense one-hot matmul. :meth:`dispatch` returns the rows for
+this rank's local experts, grouped by local expert (``rows [M, h]``, ``group_sizes [E_local]``; rows
+past ``sum(group_sizes)`` are padding), and a context; :meth:`combine` takes the experts' ``[M, h]``
+outputs and returns each token's prob-weighted sum over its ``k`` experts, ``[T, h]``.
+
+``alltoall`` (:class:`MoEAlltoAllTokenDispatcher`, Megatron's): permute by expert, exchange the
+per-expert counts and the rows with ``lax.all_to_all`` over ``ep``, re-sort the received rows by
+local expert; the reverse all-to-all and unpermute restore token order. The number of rows a rank
+sends to another varies from step to step; ``lax.ragged_all_to_all`` would move exactly those, but
+XLA:CPU cannot compile it (JAX 0.10.2: "HLO opcode ragged-all-to-all is not supported"), so the
+dropless exchange uses a static worst-case buffer per destination: ``T * min(k, E_local)`` rows (a
+token sends at most one row to each of its ``k`` experts, and at most ``E_local`` of those live on
+one rank), with the true counts exchanged alongside. Memory: send and receive buffers of
+``ep * T * min(k, E_local) * h`` elements each instead of ``T * k * h``, i.e.
+``ep * min(k, E_local) / k`` times the permuted activations (8x at ep=8, top-2 of 8 experts), and the
+experts' grouped GEMM runs over the padded rows too. With a capacity factor the buffer is exact:
+``capacity`` slots per expert and source rank (``E * capacity`` rows per rank).
+
+``allgather`` (:class:`MoEAllGatherTokenDispatcher`, Megatron's): all-gather the tokens and routing
+decisions of the ep group, each rank runs its local experts on the assignments routed to them
+(at most ``ep * T * min(k, E_local)`` rows), weights them by their probs, and a reduce-scatter over ep
+returns each rank its tokens' sums. Only over ``ep``: the experts are replicated over tp (expert
+tensor parallelism 1), so tp ranks route and dispatch their own sequence shards independently.
+Dropless only (Megatron's capacity factor needs the all-to-all dispatcher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from core.transformer.moe.moe_utils import sort_by_expert
+from core.transformer.moe.router import RouterOutput
+
+Context = dict[str, Any]
+ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+def _weighted_sum(out: jax.Array, probs: jax.Array, dtype: Any) -> jax.Array:
+    """``[T * k, h]`` expert outputs in assignment order -> ``sum_k probs * out``, ``[T, h]``."""
+    t, k = probs.shape
+    out = out.reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", out, probs.astype(jnp.float32)).astype(dtype)
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+class MoEAlltoAllTokenDispatcher:
+    """Megatron's ``alltoall`` dispatcher over the ``ep`` axis (see the module docstring)."""
+
+    def __init__(self, num_experts: int, ep_size: int, ep_axis: str = "ep"):
+        """``num_experts`` global experts split over ``ep_size`` ranks along mesh axis ``ep_axis``."""
+        self.num_experts = num_experts
+        self.ep = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.ep_axis = ep_axis
+
+    def dispatch(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
+        """Rows ``[M, h]`` for the local experts, ``group_sizes [E_local]`` and the combine context."""
+        if routing.capacity is not None:
+            return self._dispatch_capacity(x, routing)
+        t, k = routing.indices.shape
+        experts = routing.indices.reshape(-1)
+        order, inverse, counts = sort_by_expert(experts, self.num_experts)
+        ctx: Context = {"inverse": inverse, "probs": routing.probs, "dtype": x.dtype}
+        if self.ep == 1:
+            return x[order // k], counts, ctx  # [T * k, h], grouped by expert
+        ep, e_local = self.ep, self.num_local_experts
+        width = t * min(k, e_local)  # worst-case rows to one destination
+        dest_counts = counts.reshape(ep, e_local).sum(axis=1)
+        dest_start = _exclusive_cumsum(dest_counts)
+        slot = jnp.arange(width, dtype=jnp.int32)
+        source = dest_start[:, None] + slot[None, :]  # [ep, width] index into rows
+        filled = slot[None, :] < dest_counts[:, None]
+        token = (order // k)[jnp.minimum(source, t * k - 1)]  # gathered from x directly: no [T * k, h] copy
+        send = jnp.where(filled[..., None], x[token], 0)
+        recv = lax.all_to_all(send.reshape(ep * width, -1), self.ep_axis, 0, 0, tiled=True)
+        recv_counts = lax.all_to_all(counts.reshape(ep, e_local), self.ep_axis, 0, 0, tiled=True)  # [src, E_local]
+        # Local expert of every received slot (E_local for padding), then group rows by it.
+        ends = jnp.cumsum(recv_counts, axis=1)
+        local_expert = (slot[None, :, None] >= ends[:, None, :]).sum(axis=-1).reshape(-1)
+        recv_order, recv_inverse, group_sizes = sort_by_expert(local_expert, e_local)
+        ctx.update(recv_inverse=recv_inverse, width=width, experts_sorted=experts[order], dest_start=dest_start)
+        return recv[recv_order], group_sizes, ctx
+
+    def combine(self, out: jax.Array, ctx: Context) -> jax.Array:
+        """``[T, h]``: every token's prob-weighted sum of its experts' outputs ``out [M, h]``."""
+        if "capacity" in ctx:
+            return self._combine_capacity(out, ctx)
+        if self.ep > 1:
+            ep, width = self.ep, ctx["width"]
+            back = lax.all_to_all(out[ctx["recv_inverse"]], self.ep_axis, 0, 0, tiled=True)  # [ep * width, h]
+            dest = ctx["experts_sorted"] // self.num_local_experts
+            position = jnp.arange(dest.shape[0], dtype=jnp.int32) - ctx["dest_start"][dest]
+            out = back.reshape(ep, width, -1)[dest, position]  # [T * k, h] in sorted order
+        return _weighted_sum(out[ctx["inverse"]], ctx["probs"], ctx["dtype"])
+
+    # -- capacity: a fixed [E, capacity] buffer per rank -------------------------------------
+    def _dispatch_capacity(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
+        t, k = routing.indices.shape
+        cap, n = routing.capacity, t * k
+        e_all, ep, e_local = self.num_experts, self.ep, self.num_local_experts
+        where = jnp.where(routing.keep, routing.indices * cap + routing.slots, e_all * cap).reshape(-1)
+        owner = jnp.full((e_all * cap + 1,), n, jnp.int32).at[where].set(jnp.arange(n, dtype=jnp.int32))[:-1]
+        buf = jnp.where((owner < n)[:, None], x[jnp.minimum(owner // k, t - 1)], 0)  # [E * cap, h]
+        if ep > 1:
+            buf = lax.all_to_all(buf, self.ep_axis, 0, 0, tiled=True)  # [src, E_local, cap, h] flattened
+            buf = buf.reshape(ep, e_local, cap, -1).transpose(1, 0, 2, 3).reshape(e_local * ep * cap, -1)
+        group_sizes = jnp.full((e_local,), ep * cap, jnp.int32)
+        ctx: Context = {"capacity": cap, "where": where, "probs": routing.probs, "dtype": x.dtype}
+        return buf, group_sizes, ctx
+
+    def _combine_capacity(self, out: jax.Array, ctx: Context) -> jax.Array:
+        cap, ep, e_local = ctx["capacity"], self.ep, self.num_local_experts
+        if ep > 1:
+            out = out.reshape(e_local, ep, cap, -1).transpose(1, 0, 2, 3).reshape(ep * e_local * cap, -1)
+            out = lax.all_to_all(out, self.ep_axis, 0, 0, tiled=True)  # [E * cap, h] in this rank's slots
+        out = jnp.concatenate([out, jnp.zeros((1, out.shape[-1]), out.dtype)])  # dropped -> zero row
+        return _weighted_sum(out[ctx["where"]], ctx["probs"], ctx["dtype"])
+
+
+class MoEAllGatherTokenDispatcher:
+    """Megatron's ``allgather`` dispatcher over the ``ep`` axis (see the module docstring)."""
+
+    def __init__(self, num_experts: int, ep_size: int, ep_axis: str = "ep"):
+        """``num_experts`` global experts split over ``ep_size`` ranks along mesh axis ``ep_axis``."""
+        self.num_experts = num_experts
+        self.ep = ep_size
+        self.num_local_experts = num_experts // ep_size
+        self.ep_axis = ep_axis
+
+    def dispatch(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
+        """Rows ``[M, h]`` of the ep group's assignments to the local experts, grouped by expert."""
+        if routing.capacity is not None:
+            raise ValueError("the allgather dispatcher is dropless: use alltoall with a capacity factor")
+        t, k = routing.indices.shape
+        e_local = self.num_local_experts
+        xg = gather_from_sequence_parallel_region(x, True, self.ep_axis)  # [ep * T, h]
+        probs = gather_from_sequence_parallel_region(routing.probs, True, self.ep_axis)  # [ep * T, k]
+        indices = routing.indices if self.ep == 1 else lax.all_gather(routing.indices, self.ep_axis, tiled=True)
+        local = indices.reshape(-1) - lax.axis_index(self.ep_axis) * e_local
+        key = jnp.where((local >= 0) & (local < e_local), local, e_local)
+        order, _, group_sizes = sort_by_expert(key, e_local)
+        order = order[: self.ep * t * min(k, e_local)]  # local assignments come first; at most this many
+        valid = key[order] < e_local
+        token = order // k
+        rows = jnp.where(valid[:, None], xg[token], 0)
+        weight = jnp.where(valid, probs.reshape(-1)[order], 0)
+        ctx: Context = {"token": token, "weight": weight, "tokens": self.ep * t, "dtype": x.dtype}
+        return rows, group_sizes, ctx
+
+    def combine(self, out: jax.Array, ctx: Context) -> jax.Array:
+        """``[T, h]``: the local experts' weighted outputs summed per token, reduce-scattered over ep."""
+        weighted = out.astype(jnp.float32) * ctx["weight"].astype(jnp.float32)[:, None]
+        yg = jnp.zeros((ctx["tokens"], out.shape[-1]), jnp.float32).at[ctx["token"]].add(weighted)
+        return reduce_scatter_to_sequence_parallel_region(yg, self.ep_axis).astype(ctx["dtype"])
+
+
+def build_token_dispatcher(dispatcher_type: str, num_experts: int, ep_size: int,
+                           ep_axis: str = "ep") -> MoEAlltoAllTokenDispatcher | MoEAllGatherTokenDispatcher:
+    """The dispatcher ``--moe-token-dispatcher-type`` names (``"alltoall"`` or ``"allgather"``)."""
+    if dispatcher_type == "alltoall":
+        return MoEAlltoAllTokenDispatcher(num_experts, ep_size, ep_axis)
+    if dispatcher_type == "allgather":
+        return MoEAllGatherTokenDispatcher(num_experts, ep_size, ep_axis)
+    raise ValueError(f"unknown token dispatcher type {dispatcher_type!r}")
