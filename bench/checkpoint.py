@@ -1,6 +1,6 @@
 """Checkpoint cost: save and load time and size vs model size, and the step-time stall of a save.
 
-    python bench/checkpoint.py            # ~3 min on 2 cores
+    python bench/checkpoint.py            # ~5 min on 2 cores (quiet)
     python bench/checkpoint.py --quick    # tiny sizes, ~1 min
 
 For each model (the ``launch/pretrain.py`` default, then wider ones), one process trains with
@@ -120,8 +120,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-MODELS = [[], ["--hidden-size", "512", "--num-attention-heads", "8"],
-          ["--hidden-size", "1024", "--num-attention-heads", "16"]]
+MODELS = [[], ["--hidden-size", "256", "--num-attention-heads", "8"],
+          ["--hidden-size", "512", "--num-attention-heads", "8"]]
 QUICK_MODELS = [["--num-layers", "1", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
                  "--global-batch-size", "4"]]
 
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one tiny model, one round")
     p.add_argument("--devices", type=int, default=2, help="CPU devices of the one process (data parallel)")
-    p.add_argument("--steps", type=int, default=10, help="steps timed after each async save")
+    p.add_argument("--steps", type=int, default=5, help="steps timed after each async save")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     a = p.parse_args(argv)
