@@ -1,5 +1,5 @@
 """Pretraining checkpoints across layouts (one process, 8 simulated devices): the same layout
-resumes bit-identically; any other layout (tp, pp, dp, cp, distributed optimizer on or off)
+resumes bit-identically; any other layout (tp, pp, vpp, dp, cp, distributed optimizer on or off)
 loads parameters and optimizer state (resharded) and continues within 1e-5 of the original
 layout; old per-device optimizer checkpoints load only into their own layout; a damaged
 checkpoint is refused naming the file."""
@@ -15,6 +15,7 @@ from pretrain_harness import TINY
 from core import checkpointing
 from core import parallel_state as ps
 from core.training.arguments import parse_args, validate_args
+from core.training.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.training.pretrainer import Pretrainer, TrainingError
 
 LATER = 5  # iterations run after the resume
@@ -59,30 +60,44 @@ def test_same_layout_resumes_exactly(saved):
 OTHER_LAYOUTS = [
     (1, 1, 1, ()),
     (1, 1, 8, ("--use-distributed-optimizer",)),
-    (2, 1, 8, ()),
+    (2, 2, 8, ("--virtual-pipeline-model-parallel-size", "2")),
     (1, 4, 8, ("--use-distributed-optimizer",)),
     (2, 1, 8, ("--context-parallel-size", "2", "--use-distributed-optimizer")),
 ]
 
 
 @pytest.mark.parametrize("tp,pp,devices,extra", OTHER_LAYOUTS,
-                         ids=["1x1x1", "1x1x8-do", "2x1x4", "1x4x2-do", "2x1xcp2x2-do"])
+                         ids=["1x1x1", "1x1x8-do", "2x2x2-vpp2", "1x4x2-do", "2x1xcp2x2-do"])
 def test_other_layout_resumes_with_the_optimizer_state(saved, tp, pp, devices, extra):
     directory, later = saved
     b = _trainer(tp, pp, *extra, devices=devices)
     assert b.load(directory) and b.iteration == 3
     np.testing.assert_allclose([b.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
+    if b.layout.virtual_pipeline_model_parallel_size:
+        # Saving from vpp 2 writes the inverse of what this load read (checkpoint layer order).
+        paths, state = b.ddp.param_paths, {"params": b.params, "opt_state": b.ddp.optimizer_state_to_global(b.opt_state)}
+        flat = map_layer_leaves(to_layer_order, state, paths)
+        assert {x.shape[:2] for p, x in zip(paths, jax.tree.leaves(flat["params"])) if "layers" in p} == {(1, 4)}
+        back = map_layer_leaves(lambda x: from_layer_order(x, 2), flat, paths)
+        jax.tree.map(np.testing.assert_array_equal, _host(back), _host(state))
 
 
-def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, tmp_path):
-    # A checkpoint as written before the layout-independent format: the device-local state of the
-    # distributed optimizer and no format marker.
-    directory, later = saved
+@pytest.fixture(scope="module")
+def old_format(saved, tmp_path_factory):
+    """A checkpoint as written before the layout-independent format: the device-local state of the
+    distributed optimizer, layers stacked by their vpp, no format marker."""
+    directory, _ = saved
     a = _trainer(2, 2, "--use-distributed-optimizer")
     a.load(directory)
     meta = {k: v for k, v in checkpointing.load_metadata(directory).items() if k != "optimizer_format"}
-    old = str(tmp_path / "old")
+    old = str(tmp_path_factory.mktemp("old"))
     checkpointing.save_checkpoint(old, a.iteration, {"params": a.params, "opt_state": a.opt_state}, meta)
+    return old, jax.tree.map(np.asarray, a.params)
+
+
+def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, old_format):
+    _, later = saved
+    old, params = old_format
     same = _trainer(2, 2, "--use-distributed-optimizer")
     assert same.load(old)
     assert [same.step()["loss"] for _ in range(LATER)] == later
@@ -93,14 +108,13 @@ def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, tmp_p
                                             r"--no-load-optim"):
         other.load(old)
     assert other.load(old, load_optimizer=False)
-    jax.tree.map(np.testing.assert_array_equal, _host(other.params), _host(a.params))
+    jax.tree.map(np.testing.assert_array_equal, _host(other.params), params)
 
 
-def test_other_virtual_pipeline_size_is_refused(saved):
-    directory, _ = saved
+def test_old_format_into_another_virtual_pipeline_size_is_refused(old_format):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
     with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
-        b.load(directory, load_optimizer=False)
+        b.load(old_format[0], load_optimizer=False)
 
 
 def test_unwritable_save_directory_is_a_clear_error(saved, tmp_path):

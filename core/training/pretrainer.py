@@ -59,6 +59,7 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
+from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, to_layer_order
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
 # The checkpoint's optimizer state is the layout-independent form (parameter-shaped Adam moments
@@ -415,8 +416,7 @@ class Pretrainer:
         return record
 
     def layout_record(self) -> dict[str, Any]:
-        """The layout a checkpoint was written in (informational: any layout loads it, except
-        another virtual-pipeline size, whose stacked layer arrays differ)."""
+        """The layout a checkpoint was written in (informational: any layout loads it)."""
         return {"tensor_model_parallel_size": self.layout.tensor_model_parallel_size,
                 "pipeline_model_parallel_size": self.layout.pipeline_model_parallel_size,
                 "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
@@ -437,6 +437,7 @@ class Pretrainer:
                 "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
                 "optimizer_format": OPTIMIZER_FORMAT}
         state = {"params": self.params, "opt_state": self.ddp.optimizer_state_to_global(self.opt_state)}
+        state = map_layer_leaves(to_layer_order, state, self.ddp.param_paths)  # vpp-independent
         if self._saver is None or self._saver.directory != os.path.abspath(directory):
             self.finish_saving()
             self._saver = checkpointing.CheckpointSaver(directory, async_save=bool(self.args.async_save))
@@ -470,15 +471,23 @@ class Pretrainer:
             return False
         meta = checkpointing.load_metadata(directory, step)
         self._check_compatible(directory, meta, load_optimizer)
-        global_optimizer = meta.get("optimizer_format") == OPTIMIZER_FORMAT
-        target = {"params": self.params}
-        if load_optimizer:
-            target["opt_state"] = self.ddp.optimizer_state_global_abstract() if global_optimizer else self.opt_state
-        restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
-        self.params = restored["params"]
-        if load_optimizer:
-            opt_state = restored["opt_state"]
-            self.opt_state = self.ddp.optimizer_state_from_global(opt_state) if global_optimizer else opt_state
+        if meta.get("optimizer_format") == OPTIMIZER_FORMAT:  # any layout, any vpp
+            target = {"params": self.params}
+            if load_optimizer:
+                target["opt_state"] = self.ddp.optimizer_state_global_abstract()
+            target = map_layer_leaves(layer_order_target, target, self.ddp.param_paths)
+            restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
+            vpp = self.layout.virtual_pipeline_model_parallel_size or 1
+            restored = map_layer_leaves(lambda x: from_layer_order(x, vpp), restored, self.ddp.param_paths)
+            self.params = restored["params"]
+            if load_optimizer:
+                self.opt_state = self.ddp.optimizer_state_from_global(restored["opt_state"])
+        else:  # the per-device format: the optimizer state only into its own layout
+            target = {"params": self.params, **({"opt_state": self.opt_state} if load_optimizer else {})}
+            restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
+            self.params = restored["params"]
+            if load_optimizer:
+                self.opt_state = restored["opt_state"]
         self.iteration = int(meta["iteration"])
         position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
         self.data.sampler.load_state_dict(position)
@@ -491,12 +500,14 @@ class Pretrainer:
             raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
         # Checkpoints written before context parallelism existed were all cp=1.
         old, new = {"context_parallel_size": 1, **meta["layout"]}, self.layout_record()
-        if old["virtual_pipeline_model_parallel_size"] != new["virtual_pipeline_model_parallel_size"]:
+        global_format = meta.get("optimizer_format") == OPTIMIZER_FORMAT
+        vpp_key = "virtual_pipeline_model_parallel_size"
+        if not global_format and old[vpp_key] != new[vpp_key]:
             raise TrainingError(
                 f"checkpoint {directory} was saved with virtual-pipeline-model-parallel-size "
                 f"{old['virtual_pipeline_model_parallel_size']}, now {new['virtual_pipeline_model_parallel_size']}: "
                 "the stacked layer arrays differ; resume with the same --virtual-pipeline-model-parallel-size")
-        if load_optimizer and meta.get("optimizer_format") != OPTIMIZER_FORMAT and old != new:
+        if load_optimizer and not global_format and old != new:
             describe = lambda r: ", ".join(f"{k}={v}" for k, v in r.items())
             raise TrainingError(
                 f"checkpoint {directory} stores its optimizer state per device (the format before "
