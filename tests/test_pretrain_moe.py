@@ -55,3 +55,18 @@ def test_ep2_pp2_dp2_matches_single_device(reference):
     records = layout_records(1, 2, jax.devices(), ITERS, MOE + ("--expert-model-parallel-size", "2"))
     _assert_matches(records, reference)
     assert "moe_aux_loss" not in records[0]  # not logged with pipelining (docs/moe.md)
+
+
+def test_flops_per_token_counts_active_experts():
+    # A MoE layer counts its router (2 h E), its k routed experts and the shared expert instead of the MLP.
+    import dataclasses
+
+    from core.models.gpt import GPTConfig
+    from core.transformer.moe import MoEConfig
+
+    h, layers = 128, 4
+    dense = GPTConfig(hidden_size=h, num_layers=layers, ffn_hidden_size=512)
+    moe = dataclasses.replace(dense, moe=MoEConfig(num_experts=8, moe_ffn_hidden_size=256, moe_router_topk=2,
+                                                   moe_shared_expert_intermediate_size=128), moe_layer_freq=2)
+    per_moe_layer = 2 * h * 8 + 4 * h * 256 * 2 + 4 * h * 128 - 4 * h * 512
+    assert moe.flops_per_token() - dense.flops_per_token() == 3 * 2 * per_moe_layer

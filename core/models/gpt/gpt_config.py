@@ -121,15 +121,25 @@ class GPTConfig:
 
     def flops_per_token(self) -> float:
         """Model FLOPs of forward + backward per token (``6 N`` + attention, Megatron's formula,
-        with its grouped-query and SwiGLU terms; the logits over the padded vocabulary)."""
+        with its grouped-query and SwiGLU terms; the logits over the padded vocabulary; MoE layers
+        count their router, top-k routed experts and shared expert)."""
         h, s, layers = self.hidden_size, self.seq_length, self.num_layers
         # forward per token and layer: qkv 2h(h + 2 G d) (6h^2 for multi-head), projection 2h^2,
         # MLP 4h*ffn (x 3/2 with SwiGLU's third matrix), scores + values 4sh
         qkv = 2 * h * (h + 2 * self.query_groups * self.head_dim)
-        mlp = 4 * h * self.ffn_size * (1.5 if self.swiglu else 1.0)
-        per_layer = qkv + 2 * h * h + mlp + 4 * s * h
+        glu = 1.5 if self.swiglu else 1.0
+        mlp = 4 * h * self.ffn_size * glu
+        per_layer = qkv + 2 * h * h + 4 * s * h
         logits = 2 * h * self.vocab_rows
-        return 3.0 * (layers * per_layer + logits)  # backward = 2x forward
+        # MoE layers: the router, each token's k experts and the shared expert (active parameters).
+        moe_layers = sum(self.moe_layer_pattern)
+        moe_mlp = 0.0
+        if self.moe is not None:
+            moe = self.moe
+            moe_mlp = 2 * h * moe.num_experts + 4 * h * moe.moe_ffn_hidden_size * moe.moe_router_topk * glu
+            moe_mlp += 4 * h * (moe.moe_shared_expert_intermediate_size or 0) * glu
+        mlps = (layers - moe_layers) * mlp + moe_layers * moe_mlp
+        return 3.0 * (layers * per_layer + mlps + logits)  # backward = 2x forward
 
     def describe(self) -> str:
         """One line naming the shape and the options that differ from the plain GPT."""
