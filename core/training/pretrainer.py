@@ -427,6 +427,8 @@ class Pretrainer:
         for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
                       "hidden_dropout", "context_parallel_size", "cp_comm_type"):
             record.pop(field)
+        if isinstance(record["moe_layer_freq"], tuple):  # as the JSON metadata reads back
+            record["moe_layer_freq"] = list(record["moe_layer_freq"])
         return record
 
     def layout_record(self) -> dict[str, Any]:
