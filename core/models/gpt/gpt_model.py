@@ -7,6 +7,11 @@ Parameters (global arrays, sharded as their metadata says)::
      "layers": <TransformerLayer params stacked [vpp, L / vpp, ...], dim 1 split over pp>,
      "head":   {"final_layernorm": ..., "output_layer": [V, h] when untied}}
 
+With MoE (``config.moe``) ``"layers"`` is ``{"dense": [vpp, pp * n_dense, ...], "moe": [vpp,
+pp * n_moe, ...]}``: each chunk's dense and MoE layers stacked apart (the MoE pattern is the same
+in every chunk), run unrolled in layer order; the MoE aux and z losses enter the gradient
+(``docs/moe.md``).
+
 ``V`` is ``padded_vocab_size`` (its padding rows start at zero; their logits are masked in the
 loss). A microbatch is the dict of ``core/models/gpt/gpt_layers.py``'s docstring (tokens,
 labels and the optional loss mask, positions, segments and dropout seeds); every entry point
