@@ -108,7 +108,8 @@ def _run(args, layout, rank: int) -> int:
         enable_compilation_cache(args.compilation_cache_dir or default_cache_dir())
     state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                          layout.virtual_pipeline_model_parallel_size,
-                                         context_parallel_size=layout.context_parallel_size)
+                                         context_parallel_size=layout.context_parallel_size,
+                                         expert_model_parallel_size=layout.expert_model_parallel_size)
     release_cpu_affinity()  # the backend has sized its thread pool
     try:
         trainer = Pretrainer(args, layout, state)

@@ -25,7 +25,8 @@ def layout_records(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
                               "--train-iters", str(iters), *extra])
     layout = validate_args(args, len(devices))
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
-                                    context_parallel_size=layout.context_parallel_size, devices=devices)
+                                    context_parallel_size=layout.context_parallel_size,
+                                    expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices)
     trainer = Pretrainer(args, layout, state)
     return [trainer.step() for _ in range(iters)]
 

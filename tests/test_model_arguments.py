@@ -118,3 +118,69 @@ def test_layout_checks_at_the_default_8_device_layout(flags, message):
     with pytest.raises(ArgumentError) as err:
         validate_args(fill_defaults(parse_args(flags), 8), 8)
     assert message in str(err.value)
+
+
+MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01"],
+     "--moe-router-topk --moe-aux-loss-coeff need --num-experts"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size need --num-experts"),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"],
+     "--num-experts (6) must be divisible by --expert-model-parallel-size (4)"),
+    (["--num-experts", "16", "--expert-model-parallel-size", "16"],
+     "--expert-model-parallel-size 16 does not divide the data-parallel size 8"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "4"],
+     "--expert-model-parallel-size 4 does not divide the data-parallel size 2"),
+    (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk (8) must not exceed --num-experts (4)"),
+    (MOE + ["--tensor-model-parallel-size", "2"], "MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"),
+    (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py"),
+    (MOE + ["--context-parallel-size", "2"], "MoE (--num-experts) with --context-parallel-size 2 is not supported yet"),
+    (MOE + ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
+                                                    "alltoall"),
+    (MOE + ["--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", "alltoall"],
+     "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
+    (MOE + ["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be >= 0, got -1.0"),
+    (MOE + ["--num-layers", "4", "--moe-layer-freq", "[1,0]"], "moe-layer-freq has 2 entries, num-layers is 4"),
+    (MOE + ["--num-layers", "4", "--moe-layer-freq", "0"], "moe-layer-freq must be >= 1, got 0"),
+    (MOE + ["--num-layers", "4", "--moe-layer-freq", "[0,0,0,0]"], "makes no layer MoE"),
+    # pp=2: chunks [1, 1] and [0, 1] differ (each chunk's layers are stacked by kind).
+    (MOE + ["--num-layers", "4", "--moe-layer-freq", "[1,1,0,1]", "--pipeline-model-parallel-size", "2"],
+     "different MoE layer patterns (not supported yet"),
+])
+def test_moe_flags_refused(flags, message):
+    _assert_refused(flags, message)
+
+
+def test_moe_layer_freq_that_is_not_a_number_or_list_exits_2():
+    with pytest.raises(SystemExit) as err:
+        parse_args(["--moe-layer-freq", "every other"])
+    assert err.value.code == 2
+
+
+def test_moe_flags_map_onto_the_config():
+    args = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--sequence-parallel", "--num-layers", "4", "--swiglu", "--disable-bias-linear",
+                       "--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-layer-freq", "[1,0,1,0]",
+                       "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-aux-loss-coeff", "0.01",
+                       "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
+                       "--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
+                       "position", "--moe-shared-expert-intermediate-size", "64", "--moe-router-dtype", "fp32",
+                       "--global-batch-size", "32"])
+    layout = validate_args(args, 16)  # tp2 pp2 dp4, ep2
+    assert (layout.data_parallel_size, layout.expert_model_parallel_size) == (4, 2)
+    config = model_config(args)
+    moe = config.moe
+    assert config.moe_layer_pattern == (True, False, True, False)
+    assert (moe.num_experts, moe.moe_router_topk, moe.moe_router_pre_softmax, moe.moe_ffn_hidden_size) == \
+        (8, 1, True, 512)  # expert width defaults to the MLP's (4 x 128)
+    assert (moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff, moe.moe_token_dispatcher_type, moe.moe_grouped_gemm) == \
+        (0.01, 0.001, "alltoall", True)
+    assert (moe.moe_expert_capacity_factor, moe.moe_token_drop_policy, moe.moe_shared_expert_intermediate_size) == \
+        (1.5, "position", 64)
+    assert (moe.moe_router_dtype, moe.swiglu, moe.add_bias_linear) == ("fp32", True, False)
+    assert model_config(parse_args([])).moe is None  # dense without --num-experts
+    assert model_config(parse_args(["--num-experts", "4", "--moe-layer-freq", "2", "--num-layers", "4"])) \
+        .moe_layer_pattern == (True, False, True, False)

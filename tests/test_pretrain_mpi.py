@@ -38,3 +38,17 @@ def test_context_parallel_loss_trajectory_matches_single_device():
     extra = LLAMA + ("--context-parallel-size", "2", "--sequence-parallel")
     losses = layout_losses(2, 1, jax.devices(), extra=extra)
     np.testing.assert_allclose(losses, _reference(LLAMA), rtol=1e-4)
+
+
+# 4 layers, MoE on layers 0 and 2 (dense 1 and 3), 8 experts top-2, aux and z losses, dropless all-to-all.
+MOE = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "2",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-grouped-gemm")
+
+
+def test_moe_expert_parallel_loss_trajectory_matches_single_device():
+    # tp2 x ep2 x dp2 with SP over 8 processes: the tokens' all-to-all over "ep" and the expert grads'
+    # reduction over the expert-data-parallel group cross processes.
+    losses = layout_losses(2, 1, jax.devices(), extra=MOE + ("--expert-model-parallel-size", "2",
+                                                             "--sequence-parallel"))
+    np.testing.assert_allclose(losses, _reference(MOE), rtol=1e-4)

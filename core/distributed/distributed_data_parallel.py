@@ -251,7 +251,7 @@ class DistributedDataParallel:
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
                         forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False,
-                        sequence_axis: str | None = None):
+                        sequence_axis: str | None = None, loss_metrics: bool = False):
         """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
         ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
@@ -282,12 +282,20 @@ class DistributedDataParallel:
         function sees its ``[b/dp, s/cp]`` shard. The grads are still averaged over data x context
         parallelism, so the loss function must return ``cp`` times its share of the microbatch loss
         (as :func:`core.models.gpt.gpt_layers.language_model_loss` does).
+
+        ``loss_metrics`` (``loss_fn`` without ``per_token_loss``): ``loss_fn`` returns ``(loss,
+        metrics)``, a dict of arrays identical over tp and pp (e.g. the MoE aux losses); metrics
+        ``"model"`` holds them averaged over the microbatches and the data-parallel ranks.
         """
         meta = self._require_init()
         if (loss_fn is None) == (forward_backward is None):
             raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
-        step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward)
+        if loss_metrics and (loss_fn is None or per_token_loss):
+            raise ValueError("loss_metrics needs loss_fn without per_token_loss")
+        step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward, loss_metrics)
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
+        if loss_metrics:
+            metric_specs["model"] = P()
         if self.ddp_config.check_for_large_grads:
             metric_specs["large_grads"] = self.local_spec
         if self.ddp_config.check_for_spiky_loss:
@@ -325,8 +333,10 @@ class DistributedDataParallel:
 
         return train_step
 
-    def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss, rng=None):
-        """Accumulated local grads, summed loss and token count over the microbatches."""
+    def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss, rng=None,
+                          loss_metrics=False):
+        """Accumulated local grads, summed loss and token count over the microbatches (and with
+        ``loss_metrics`` the mean of ``loss_fn``'s metrics, a fourth element)."""
         grad_dtype = jnp.float32 if self.ddp_config.grad_reduce_in_fp32 else None
         m = num_microbatches
         mbs = (split_microbatches(batch, m), jnp.arange(m))
@@ -336,6 +346,11 @@ class DistributedDataParallel:
             args = (mb,) if rng is None else (mb, jax.random.fold_in(rng, index))
             if per_token_loss:
                 (loss, tokens), g = jax.value_and_grad(lambda p: loss_fn(p, *args), has_aux=True)(params)
+            elif loss_metrics:
+                scaled = lambda p: (lambda r: (r[0] / m, jax.tree.map(lambda v: v / m, r[1])))(loss_fn(p, *args))
+                (loss, extra), g = jax.value_and_grad(scaled, has_aux=True)(params)
+                g = jax.tree.map(lambda x: x.astype(grad_dtype or x.dtype), g)
+                return g, loss, jnp.zeros((), jnp.float32), extra
             else:
                 loss, g = jax.value_and_grad(lambda p: loss_fn(p, *args) / m)(params)
                 tokens = jnp.zeros((), jnp.float32)
@@ -343,8 +358,7 @@ class DistributedDataParallel:
             return g, loss, jnp.asarray(tokens, jnp.float32)
 
         def add(carry, mb):
-            g, loss, tokens = one(mb)
-            return jax.tree.map(jnp.add, carry, (g, loss, tokens)), None
+            return jax.tree.map(jnp.add, carry, one(mb)), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
         if m == 1:
@@ -358,7 +372,7 @@ class DistributedDataParallel:
             acc, _ = lax.scan(add, zero, mbs)
         return acc
 
-    def _step_body(self, loss_fn, num_microbatches, per_token_loss, forward_backward=None):
+    def _step_body(self, loss_fn, num_microbatches, per_token_loss, forward_backward=None, loss_metrics=False):
         meta = self._require_init()
         state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
         dp_axes = state.data_parallel_with_context_axis_name
@@ -366,7 +380,12 @@ class DistributedDataParallel:
         def body(params, opt_state, batch, masks, *rng):
             opt_state = opt.state_to_local(opt_state)
             rng = tuple(fold_rng_over_axis(r, dp_axes) for r in rng)  # () or the rank's key
-            if forward_backward is None:
+            model_metrics = None
+            if loss_metrics:
+                grads, loss, tokens, model_metrics = self._microbatch_grads(
+                    loss_fn, params, batch, num_microbatches, per_token_loss, *(rng or (None,)), loss_metrics=True)
+                model_metrics = jax.tree.map(lambda v: lax.pmean(v, dp_axes), model_metrics)
+            elif forward_backward is None:
                 grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss,
                                                              *rng)
             else:
@@ -400,6 +419,8 @@ class DistributedDataParallel:
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped,
                        **extra}
+            if model_metrics is not None:
+                metrics["model"] = model_metrics
             return new_params, opt.state_from_local(new_opt), metrics
 
         return body

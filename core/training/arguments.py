@@ -79,6 +79,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each pipeline chunk's layers as a rolled lax.scan: compile time independent of depth "
                         "(default: unrolled, faster steps)")
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (fp32 params and optimizer)")
+    g = p.add_argument_group("mixture of experts (docs/moe.md; Megatron's defaults where unset)")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (enables MoE)")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=None,
+                   help="MoE layers: N (every Nth layer, starting at layer 0) or a list of 0/1 per layer, "
+                        "e.g. '[0,1,1,1]' (default 1: every layer)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="experts split over this many ranks (a split of data parallelism)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP width (default --ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
+                   help="router scores (default softmax)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
+                   help="softmax over all experts before the top-k")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "none"], default=None,
+                   help="load-balancing loss (default aux_loss)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=None, help="load-balancing loss weight (default 0)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="router z-loss weight (default: off)")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall"], default=None,
+                   help="token dispatcher over the expert-parallel ranks (default allgather)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="all local experts in one grouped GEMM (jax.lax.ragged_dot)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="expert capacity factor (tokens over capacity are dropped; default: dropless)")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default=None,
+                   help="over capacity keep the highest-prob or the earliest tokens (default probs)")
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true", default=None,
+                   help="every expert computes exactly its capacity of rows")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="shared expert width")
+    g.add_argument("--moe-router-dtype", choices=["fp32"], default=None, help="router linear layer in float32")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="aux-loss-free expert bias (not supported yet in pretraining: refused)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                   help="expert-bias update rate (with --moe-router-enable-expert-bias)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=16)
@@ -165,13 +198,16 @@ class ParallelLayout:
     """global batch / (micro batch * dp)."""
     context_parallel_size: int = 1
     """cp: ranks sharing every sample's sequence."""
+    expert_model_parallel_size: int = 1
+    """ep: experts split over this many of the data-parallel ranks (dp includes them)."""
 
     def describe(self) -> str:
-        """``tp=2 pp=2 dp=2`` (+ vpp, + cp when above 1)."""
+        """``tp=2 pp=2 dp=2`` (+ vpp, + cp, + ep when above 1)."""
         vpp = f" vpp={self.virtual_pipeline_model_parallel_size}" if self.virtual_pipeline_model_parallel_size else ""
         cp = f" cp={self.context_parallel_size}" if self.context_parallel_size > 1 else ""
+        ep = f" ep={self.expert_model_parallel_size}" if self.expert_model_parallel_size > 1 else ""
         return (f"tp={self.tensor_model_parallel_size} pp={self.pipeline_model_parallel_size}{vpp}{cp} "
-                f"dp={self.data_parallel_size}")
+                f"dp={self.data_parallel_size}{ep}")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -209,6 +245,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(f"world size {world_size} is not divisible by tensor-model-parallel-size {tp} x "
                             f"pipeline-model-parallel-size {pp}{what} = {tp * pp * cp}")
     dp = world_size // (tp * pp * cp)
+    ep = _validate_moe(args, dp)
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ArgumentError(f"global-batch-size {args.global_batch_size} is not divisible by micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel-size {dp} = {args.micro_batch_size * dp}")
@@ -226,7 +263,80 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
     validate_data_args(args)
-    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp)
+    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep)
+
+
+MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
+             "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+             "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_token_drop_policy",
+             "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_router_dtype",
+             "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+"""The MoE flags besides ``--num-experts`` (None when not given)."""
+
+
+def _moe_layer_freq(text: str) -> int | tuple[int, ...]:
+    """``--moe-layer-freq``: an int, or a Python list literal of 0/1 per layer (as Megatron accepts)."""
+    import ast
+
+    try:
+        value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"expected an int or a list like [0,1,1,1], got {text!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    raise argparse.ArgumentTypeError(f"expected an int or a list like [0,1,1,1], got {text!r}")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _validate_moe(args: argparse.Namespace, dp: int) -> int:
+    """The MoE flags against each other and the layout (``dp`` = world / (tp x pp x cp)); returns ep."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        given = [_flag(n) for n in MOE_FLAGS if getattr(args, n) is not None]
+        if ep != 1:
+            given.insert(0, "--expert-model-parallel-size")
+        if given:
+            raise ArgumentError(f"{' '.join(given)} need --num-experts (MoE is off without it)")
+        return 1
+    if ep < 1:
+        raise ArgumentError(f"--expert-model-parallel-size must be >= 1, got {ep}")
+    if args.num_experts < 1:
+        raise ArgumentError(f"--num-experts must be >= 1, got {args.num_experts}")
+    if args.num_experts % ep:
+        raise ArgumentError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size "
+                            f"({ep})")
+    if dp % ep:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
+                            "(world / (tp x pp x cp)): expert parallelism is a split of data parallelism")
+    if args.moe_router_enable_expert_bias:
+        raise ArgumentError("--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py (the "
+                            "bias update is not in the training step)")
+    if args.context_parallel_size > 1:
+        raise ArgumentError(f"MoE (--num-experts) with --context-parallel-size {args.context_parallel_size} is not "
+                            "supported yet (expert grads would miss the cp reduction)")
+    try:
+        moe_config(args).validate(ep, args.tensor_model_parallel_size, args.sequence_parallel)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return ep
+
+
+def moe_config(args: argparse.Namespace):
+    """The :class:`~core.transformer.moe.MoEConfig` of the flags (None without ``--num-experts``);
+    unset flags take Megatron's defaults, ``--moe-ffn-hidden-size`` defaults to the MLP width."""
+    if args.num_experts is None:
+        return None
+    from core.transformer.moe import MoEConfig
+
+    given = {n: getattr(args, n) for n in MOE_FLAGS if getattr(args, n) is not None and n != "moe_layer_freq"}
+    ffn = given.pop("moe_ffn_hidden_size", None) or args.ffn_hidden_size or 4 * args.hidden_size
+    return MoEConfig(num_experts=args.num_experts, moe_ffn_hidden_size=ffn, swiglu=args.swiglu,
+                     add_bias_linear=not args.disable_bias_linear, **given)
 
 
 def _validate_context_parallel(args: argparse.Namespace) -> None:
@@ -453,4 +563,5 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
         sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
         cp_comm_type=args.cp_comm_type, recompute_granularity="full" if args.recompute_activations else None,
         bf16=args.bf16,
-        unroll_layers=not args.scan_layers)
+        unroll_layers=not args.scan_layers, moe=moe_config(args),
+        moe_layer_freq=1 if args.moe_layer_freq is None else args.moe_layer_freq)

@@ -279,6 +279,18 @@ class PretrainingData:
         return self.to_global(self.valid_host_batch(i))
 
 
+def moe_record(metrics: dict | None) -> dict[str, Any]:
+    """The logged MoE values of a step's model metrics (empty without them): ``moe_aux_loss`` and
+    ``moe_z_loss`` (summed over the MoE layers, as they enter the objective) and
+    ``moe_expert_load`` (per MoE layer, max / mean of the tokens routed to each expert: 1 is balanced)."""
+    if not metrics or "moe_tokens_per_expert" not in metrics:
+        return {}
+    tpe = np.asarray(metrics["moe_tokens_per_expert"], np.float64)
+    load = tpe.max(axis=-1) / np.maximum(tpe.mean(axis=-1), 1e-30)
+    return {"moe_aux_loss": float(metrics["moe_aux_loss"]), "moe_z_loss": float(metrics["moe_z_loss"]),
+            "moe_expert_load": [round(float(v), 6) for v in load]}
+
+
 class Pretrainer:
     """Model, DDP, optimizer, data and checkpoints of one GPT pretraining run."""
 
@@ -326,8 +338,10 @@ class Pretrainer:
         m = layout.num_microbatches
         fb = self.model.ddp_forward_backward(m) if layout.pipeline_model_parallel_size > 1 else None
         sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
-        self.train_step = self.ddp.make_train_step(None if fb else self.model.loss_fn, m, forward_backward=fb,
-                                                   sequence_axis=sequence_axis)
+        moe_metrics = self.config.moe is not None and fb is None  # logged at pp=1 (docs/moe.md)
+        loss_fn = (self.model.loss_fn_with_metrics if moe_metrics else self.model.loss_fn) if fb is None else None
+        self.train_step = self.ddp.make_train_step(loss_fn, m, forward_backward=fb, sequence_axis=sequence_axis,
+                                                   loss_metrics=moe_metrics)
         self.eval_step = self._make_eval_step()
 
     # -- steps -----------------------------------------------------------------------------
@@ -370,11 +384,12 @@ class Pretrainer:
         step) and add timing over the ``elapsed`` seconds they took together. Raises
         :class:`TrainingError` at the first non-finite value."""
         values = jax.device_get([(r["loss"], r["grad_norm"], r["_metrics"].get("spiky_loss", False),
-                                  r["_metrics"].get("recent_max_loss", 0.0)) for r in pending])
+                                  r["_metrics"].get("recent_max_loss", 0.0), r["_metrics"].get("model"))
+                                 for r in pending])
         per_step = elapsed / max(1, len(pending))
         tokens = self.args.global_batch_size * self.args.seq_length
         records = []
-        for record, (loss, grad_norm, spiky, recent_max) in zip(pending, values):
+        for record, (loss, grad_norm, spiky, recent_max, model_metrics) in zip(pending, values):
             loss, grad_norm = float(loss), float(grad_norm)
             metrics = record.pop("_metrics")
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -388,7 +403,7 @@ class Pretrainer:
                                     f"(NaN/Inf in the loss or gradients);{where} stopping, the last checkpoint "
                                     "is kept")
             record = {**record, "loss": loss, "grad_norm": grad_norm, "tokens_per_sec": tokens / per_step,
-                      "step_time_s": per_step}
+                      "step_time_s": per_step, **moe_record(model_metrics)}
             if bool(spiky):
                 record["skipped"] = True
                 if self.logger:
@@ -413,6 +428,8 @@ class Pretrainer:
         for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
                       "hidden_dropout", "context_parallel_size", "cp_comm_type"):
             record.pop(field)
+        if isinstance(record["moe_layer_freq"], tuple):  # as the JSON metadata reads back
+            record["moe_layer_freq"] = list(record["moe_layer_freq"])
         return record
 
     def layout_record(self) -> dict[str, Any]:

@@ -21,6 +21,15 @@ def memory_per_device_bytes() -> int:
     return rss // max(1, jax.local_device_count())
 
 
+def _moe_text(record: dict[str, Any]) -> str:
+    """`` | moe aux loss: ... | moe z loss: ... | expert load max/mean: ...`` when the record has them."""
+    if "moe_aux_loss" not in record:
+        return ""
+    load = ", ".join(f"{v:.2f}" for v in record["moe_expert_load"])
+    return (f" | moe aux loss: {record['moe_aux_loss']:.6E} | moe z loss: {record['moe_z_loss']:.6E} | "
+            f"expert load max/mean: [{load}]")
+
+
 class TrainingLogger:
     """Rank-0 output of a run: progress bar, log lines, JSON metrics (other ranks stay silent)."""
 
@@ -63,7 +72,7 @@ class TrainingLogger:
             f"elapsed time per iteration (ms): {1000 * r['step_time_s']:.1f} | learning rate: {r['lr']:.6E} | "
             f"lm loss: {r['loss']:.6E} | grad norm: {r['grad_norm']:.3f} | tokens/s: {r['tokens_per_sec']:.0f} | "
             f"model TFLOP/s/device: {r['tflops_per_device']:.4f} | MFU: {100 * r['mfu']:.1f}% | "
-            f"mem/device (MiB): {r['memory_per_device_bytes'] / 2**20:.0f}")
+            f"mem/device (MiB): {r['memory_per_device_bytes'] / 2**20:.0f}" + _moe_text(r))
         self.write_metrics(record)
 
     def write_metrics(self, record: dict[str, Any]) -> None:

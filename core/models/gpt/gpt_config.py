@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from core.transformer.moe.moe_config import MoEConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -67,6 +69,25 @@ class GPTConfig:
     """Standard deviation of the normal weight init."""
     layernorm_epsilon: float = 1e-5
     """Epsilon of every LayerNorm / RMSNorm."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (``docs/moe.md``): the MoE layers' options; None: a dense GPT."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE (with ``moe``), Megatron's ``--moe-layer-freq``: an int ``N`` (layer
+    ``l`` is MoE when ``l % N == 0``) or one 0/1 entry per layer."""
+
+    @property
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per global layer: whether it is a MoE layer (all False without ``moe``)."""
+        if self.moe is None:
+            return (False,) * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return tuple(self.moe_layer_freq > 0 and i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(v) for v in self.moe_layer_freq)
+
+    def chunk_moe_pattern(self, layers_per_chunk: int) -> tuple[bool, ...]:
+        """The MoE pattern of one model chunk's ``layers_per_chunk`` layers (the same for every
+        chunk: :meth:`validate` checks it)."""
+        return self.moe_layer_pattern[:layers_per_chunk]
 
     @property
     def ffn_size(self) -> int:
@@ -100,15 +121,25 @@ class GPTConfig:
 
     def flops_per_token(self) -> float:
         """Model FLOPs of forward + backward per token (``6 N`` + attention, Megatron's formula,
-        with its grouped-query and SwiGLU terms; the logits over the padded vocabulary)."""
+        with its grouped-query and SwiGLU terms; the logits over the padded vocabulary; MoE layers
+        count their router, top-k routed experts and shared expert)."""
         h, s, layers = self.hidden_size, self.seq_length, self.num_layers
         # forward per token and layer: qkv 2h(h + 2 G d) (6h^2 for multi-head), projection 2h^2,
         # MLP 4h*ffn (x 3/2 with SwiGLU's third matrix), scores + values 4sh
         qkv = 2 * h * (h + 2 * self.query_groups * self.head_dim)
-        mlp = 4 * h * self.ffn_size * (1.5 if self.swiglu else 1.0)
-        per_layer = qkv + 2 * h * h + mlp + 4 * s * h
+        glu = 1.5 if self.swiglu else 1.0
+        mlp = 4 * h * self.ffn_size * glu
+        per_layer = qkv + 2 * h * h + 4 * s * h
         logits = 2 * h * self.vocab_rows
-        return 3.0 * (layers * per_layer + logits)  # backward = 2x forward
+        # MoE layers: the router, each token's k experts and the shared expert (active parameters).
+        moe_layers = sum(self.moe_layer_pattern)
+        moe_mlp = 0.0
+        if self.moe is not None:
+            moe = self.moe
+            moe_mlp = 2 * h * moe.num_experts + 4 * h * moe.moe_ffn_hidden_size * moe.moe_router_topk * glu
+            moe_mlp += 4 * h * (moe.moe_shared_expert_intermediate_size or 0) * glu
+        mlps = (layers - moe_layers) * mlp + moe_layers * moe_mlp
+        return 3.0 * (layers * per_layer + mlps + logits)  # backward = 2x forward
 
     def describe(self) -> str:
         """One line naming the shape and the options that differ from the plain GPT."""
@@ -128,6 +159,9 @@ class GPTConfig:
             parts.append(f"vocab {self.vocab_size}")
         if self.attention_dropout or self.hidden_dropout:
             parts.append(f"dropout {self.attention_dropout}/{self.hidden_dropout}")
+        if self.moe is not None:
+            parts.append(f"MoE on {sum(self.moe_layer_pattern)} layers: {self.moe.num_experts} experts top-"
+                         f"{self.moe.moe_router_topk}, expert ffn {self.moe.moe_ffn_hidden_size}")
         return ", ".join(parts)
 
     def validate(self, tensor_model_parallel_size: int, pipeline_chunks: int) -> None:
@@ -187,3 +221,27 @@ class GPTConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.moe is not None:
+            self._validate_moe(pipeline_chunks)
+
+    def _validate_moe(self, pipeline_chunks: int) -> None:
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise ValueError(f"moe_layer_freq must be >= 1, got {freq}")
+        else:
+            if len(freq) != self.num_layers:
+                raise ValueError(f"moe_layer_freq has {len(freq)} entries, num_layers is {self.num_layers}")
+            if any(v not in (0, 1) for v in freq):
+                raise ValueError(f"moe_layer_freq entries must be 0 or 1, got {list(freq)}")
+        pattern = self.moe_layer_pattern
+        per_chunk = self.num_layers // pipeline_chunks
+        if any(pattern[i] != pattern[i % per_chunk] for i in range(self.num_layers)):
+            raise ValueError(f"moe_layer_freq {freq if isinstance(freq, int) else list(freq)} gives the "
+                             f"{pipeline_chunks} pipeline chunks of {per_chunk} layers different MoE layer "
+                             "patterns (not supported yet: every chunk must have the same pattern)")
+        if not any(pattern):
+            raise ValueError(f"moe_layer_freq {freq if isinstance(freq, int) else list(freq)} makes no layer MoE")
+        if self.context_parallel_size > 1:
+            raise ValueError("MoE with context_parallel_size > 1 is not supported yet (expert grads are reduced "
+                             "over dp only, and the aux losses are not scaled for cp)")

@@ -47,6 +47,7 @@ from core.tensor_parallel import (
 from core.tensor_parallel.fast_vjp import linear
 from core.tensor_parallel.layers import build_norm, default_init_method
 from core.tensor_parallel.utils import divide
+from core.transformer.moe import MoEBlock
 
 
 def _normal(std: float):
@@ -292,9 +293,12 @@ class TransformerLayer(nn.Module):
 
     config: GPTConfig
     """Model hyper-parameters."""
+    moe: bool = False
+    """A MoE layer: ``MoEBlock`` (``config.moe``) instead of ``ParallelMLP``; the call then returns
+    ``(x, aux)`` with the MoE layer's aux dict (``core.transformer.moe.MoELayer``)."""
 
     @nn.compact
-    def __call__(self, x: jax.Array, ctx: LayerContext | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: LayerContext | None = None) -> jax.Array | tuple[jax.Array, dict]:
         """One layer on ``[s(/tp), b, h]`` activations; ``ctx`` carries the microbatch's options
         and this layer's global index."""
         cfg = self.config
@@ -305,6 +309,11 @@ class TransformerLayer(nn.Module):
         if cfg.hidden_dropout and ctx is not None and ctx.dropout_seed is not None:
             dropout_fn = partial(hidden_dropout, ctx=ctx, rate=cfg.hidden_dropout, site=DROPOUT_MLP_OUTPUT,
                                  sequence_parallel=sp, context_parallel_size=cfg.context_parallel_size)
+        if self.moe:
+            block = MoEBlock(cfg.moe, cfg.hidden_size, sequence_parallel=sp, normalization=cfg.normalization,
+                             epsilon=cfg.layernorm_epsilon, init_method=_normal(cfg.init_method_std),
+                             output_layer_init_method=_normal(output_init_std(cfg)), name="mlp")
+            return block(x, dropout_fn)
         mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=sp, gated_linear_unit=cfg.swiglu,
                           bias=cfg.add_bias_linear, normalization=cfg.normalization, epsilon=cfg.layernorm_epsilon,
                           init_method=_normal(cfg.init_method_std),

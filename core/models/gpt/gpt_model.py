@@ -7,6 +7,11 @@ Parameters (global arrays, sharded as their metadata says)::
      "layers": <TransformerLayer params stacked [vpp, L / vpp, ...], dim 1 split over pp>,
      "head":   {"final_layernorm": ..., "output_layer": [V, h] when untied}}
 
+With MoE (``config.moe``) ``"layers"`` is ``{"dense": [vpp, pp * n_dense, ...], "moe": [vpp,
+pp * n_moe, ...]}``: each chunk's dense and MoE layers stacked apart (the MoE pattern is the same
+in every chunk), run unrolled in layer order; the MoE aux and z losses enter the gradient
+(``docs/moe.md``).
+
 ``V`` is ``padded_vocab_size`` (its padding rows start at zero; their logits are masked in the
 loss). A microbatch is the dict of ``core/models/gpt/gpt_layers.py``'s docstring (tokens,
 labels and the optional loss mask, positions, segments and dropout seeds); every entry point
@@ -26,6 +31,7 @@ Megatron's (interleaved) 1F1B with the table-driven executor.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -63,6 +69,9 @@ class GPTModel:
         self.layers_per_chunk = config.num_layers // (self.pp * self.vpp)
         self.embedding = GPTEmbedding(config)
         self.layer = TransformerLayer(config)
+        self.moe_layer = TransformerLayer(config, moe=True) if config.moe is not None else None
+        self.chunk_moe_pattern = config.chunk_moe_pattern(self.layers_per_chunk)
+        """Per position in a model chunk: whether that layer is MoE (the same in every chunk)."""
         self.head = GPTOutputHead(config)
 
     # -- parameters -----------------------------------------------------------------------
@@ -73,12 +82,31 @@ class GPTModel:
         x = self.embedding.apply({"params": unbox(emb)}, tokens)
         first = (jnp.arange(self.vpp)[:, None] * self.pp + lax.axis_index(PP_AXIS)) * self.layers_per_chunk
         index = first + jnp.arange(self.layers_per_chunk)[None, :]
-        one = lambda i: self.layer.init(jax.random.fold_in(k_layers, i), x)["params"]
-        stacked = jax.vmap(jax.vmap(one))(index)
+        if self.moe_layer is None:
+            one = lambda i: self.layer.init(jax.random.fold_in(k_layers, i), x)["params"]
+            stacked = jax.vmap(jax.vmap(one))(index)
+        else:
+            stacked = self._init_moe_layers(k_layers, index, x)
         layers = jax.tree.map(lambda b: b.replace(names=(None, PP_AXIS) + tuple(b.names)), stacked, is_leaf=_is_box)
         word = None if not self.config.share_embeddings_and_output_weights else unbox(emb)["word_embeddings"]["weight"]
         head = self.head.init(k_head, x, word)["params"]
         return {"embedding": emb, "layers": layers, "head": head}
+
+    def _init_moe_layers(self, key: jax.Array, index: jax.Array, x: jax.Array) -> dict:
+        """``{"dense": [vpp, n_dense, ...], "moe": [vpp, n_moe, ...]}`` (kinds without layers left
+        out): each chunk's dense and MoE layers stacked apart, layer ``l`` drawn from
+        ``fold_in(key, l)``. A Python loop, not a vmap: the MoE layer's init runs its collectives."""
+        stacked = {}
+        for kind, layer in (("dense", self.layer), ("moe", self.moe_layer)):
+            positions = [j for j, m in enumerate(self.chunk_moe_pattern) if m == (kind == "moe")]
+            if not positions:
+                continue
+            chunks = [[layer.init(jax.random.fold_in(key, index[c, j]), x)["params"] for j in positions]
+                      for c in range(self.vpp)]
+            stack = lambda *xs: jax.tree.map(lambda *a: a[0].replace_boxed(jnp.stack([b.unbox() for b in a])),
+                                             *xs, is_leaf=_is_box)
+            stacked[kind] = stack(*[stack(*chunk) for chunk in chunks])
+        return stacked
 
     def _cast(self, tree: Any) -> Any:
         dtype = self.config.compute_dtype
@@ -107,13 +135,46 @@ class GPTModel:
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
                    first_layer: int | jax.Array = 0) -> jax.Array:
         """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan;
-        ``first_layer`` is the chunk's first global layer index (its dropout keys use it)."""
+        ``first_layer`` is the chunk's first global layer index (its dropout keys use it).
+        With MoE layers their aux losses are dropped here: training uses :meth:`run_layers_moe`."""
+        if self.moe_layer is not None:
+            return self.run_layers_moe(chunk_layers, x, microbatch, first_layer)[0]
         ctx = self.context(microbatch)
         body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
         if self.config.recompute_granularity == "full":
             body = jax.checkpoint(body)
         index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
         return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0]
+
+    def run_layers_moe(self, chunk_layers: dict, x: jax.Array, microbatch: dict | None = None,
+                       first_layer: int | jax.Array = 0) -> tuple[jax.Array, dict]:
+        """The layers of one model chunk of a MoE model (params ``{"dense", "moe"}`` stacked per
+        kind), unrolled; returns ``(x, stats)`` with this rank's shares of the chunk's MoE losses
+        summed over its layers (``"aux_loss"``, ``"z_loss"``, and their sum ``"total"`` that enters
+        the objective) and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens)."""
+        ctx = self.context(microbatch)
+        chunk = self._cast(chunk_layers)
+        count = {"dense": 0, "moe": 0}
+        auxes = []
+        for j, is_moe in enumerate(self.chunk_moe_pattern):
+            kind = "moe" if is_moe else "dense"
+            p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk[kind])
+            count[kind] += 1
+            layer = self.moe_layer if is_moe else self.layer
+            fn = lambda p, h, c, layer=layer: layer.apply({"params": p}, h, c)
+            if self.config.recompute_granularity == "full":
+                fn = jax.checkpoint(fn)
+            out = fn(p, x, ctx.replace(layer_index=first_layer + j))
+            if is_moe:
+                x, aux = out
+                auxes.append(aux)
+            else:
+                x = out
+        aux_loss = sum(a["aux_loss"].astype(jnp.float32) for a in auxes)
+        z_loss = sum(a["z_loss"].astype(jnp.float32) for a in auxes)
+        stats = {"aux_loss": aux_loss, "z_loss": z_loss, "total": aux_loss + z_loss,
+                 "tokens_per_expert": jnp.stack([a["tokens_per_expert"].astype(jnp.float32) for a in auxes])}
+        return x, stats
 
     def loss(self, shared: dict, x: jax.Array, microbatch: dict | jax.Array) -> jax.Array:
         """Last stage: final norm, output layer, vocabulary-parallel cross entropy of the
@@ -135,7 +196,11 @@ class GPTModel:
 
     # -- whole-model entry points -----------------------------------------------------------
     def loss_fn(self, params: dict, microbatch: dict) -> jax.Array:
-        """Mean loss of one microbatch through the whole model (no pipelining)."""
+        """Mean loss of one microbatch through the whole model (no pipelining). With MoE layers
+        the value is the LM loss and the gradient also that of the MoE aux and z losses
+        (:meth:`loss_fn_with_metrics`)."""
+        if self.moe_layer is not None:
+            return self.loss_fn_with_metrics(params, microbatch)[0]
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
         x = self.embed(params, microbatch)
@@ -144,7 +209,35 @@ class GPTModel:
                                 c * self.layers_per_chunk)
         return self.loss(params, x, microbatch)
 
-    def _stage_step(self, micro_batch_size: int):
+    def loss_fn_with_metrics(self, params: dict, microbatch: dict) -> tuple[jax.Array, dict]:
+        """MoE model, no pipelining: ``(loss, metrics)``. ``loss`` has the LM loss's value and the
+        gradient of LM loss + the MoE aux and z losses (their sum enters as ``A - stop_gradient(A)``,
+        an exact zero, so the reported loss stays the LM loss; the loss's ``1/num_microbatches``
+        scaling applies to both). ``metrics`` (:meth:`moe_metrics`) for logging."""
+        if self.pp > 1:
+            raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
+        x = self.embed(params, microbatch)
+        stats = []
+        for c in range(self.vpp):
+            x, st = self.run_layers_moe(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
+                                        c * self.layers_per_chunk)
+            stats.append(st)
+        total = sum(st["total"] for st in stats)
+        loss = self.loss(params, x, microbatch)
+        loss = loss + (total - lax.stop_gradient(total)).astype(loss.dtype)
+        return loss, self.moe_metrics(stats)
+
+    def moe_metrics(self, stats: list[dict]) -> dict:
+        """Logged MoE values of one microbatch from :meth:`run_layers_moe`'s stats (in layer order):
+        ``moe_aux_loss`` and ``moe_z_loss`` (summed over the MoE layers: what enters the objective),
+        and ``moe_tokens_per_expert`` ``[n_moe_layers, E]``, each summed over tp (the shares of a
+        sequence-parallel group add up to its loss); the trainer averages them over data parallelism."""
+        tp = lambda v: lax.psum(lax.stop_gradient(v), "tp")
+        return {"moe_aux_loss": tp(sum(st["aux_loss"] for st in stats)),
+                "moe_z_loss": tp(sum(st["z_loss"] for st in stats)),
+                "moe_tokens_per_expert": tp(jnp.concatenate([st["tokens_per_expert"] for st in stats]))}
+
+    def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0):
         last = self.pp * self.vpp - 1
         shape = self.activation_shape(micro_batch_size)
         dtype = self.config.compute_dtype
@@ -152,7 +245,11 @@ class GPTModel:
         def stage_step(chunk, shared, mb, received, vs):
             received = jnp.broadcast_to(received, shape).astype(dtype)
             x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
-            y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
+            if self.moe_layer is None:
+                y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
+            else:  # the MoE losses' gradient enters through the chunk's output (no loss plumbing across stages)
+                y, stats = self.run_layers_moe(chunk, x, mb, vs * self.layers_per_chunk)
+                y = attach_aux_loss(y, stats["total"], aux_loss_scale)
             loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
             return y, (loss, {"lm loss": loss})
@@ -169,7 +266,7 @@ class GPTModel:
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
         losses, g_chunks, g_shared, _ = execute_stages(
-            self._stage_step(mbs["tokens"].shape[1]), mbs, params["layers"], shared, num_model_chunks=self.vpp,
+            self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, params["layers"], shared, num_model_chunks=self.vpp,
             forward_only=forward_only, axis_name=PP_AXIS)
         loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
         grads = None if forward_only else {"layers": g_chunks, **g_shared}
@@ -189,6 +286,26 @@ class GPTModel:
         if self.pp > 1:
             return self.forward_backward(params, batch, num_microbatches, forward_only=True)[1]
         return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), split_microbatches(batch, num_microbatches)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attach_aux_loss(x: jax.Array, aux_loss: jax.Array, scale: float) -> jax.Array:
+    """Identity on ``x`` whose backward also gives ``aux_loss`` the cotangent ``scale``: Megatron's
+    ``MoEAuxLossAutoScaler``. The aux loss's gradient joins the backward wherever ``x``'s does (any
+    pipeline stage), as if ``scale * aux_loss`` were added to the loss; ``scale`` is the LM loss's
+    own scaling (``1 / num_microbatches``)."""
+    return x
+
+
+def _attach_fwd(x, aux_loss, scale):
+    return x, aux_loss
+
+
+def _attach_bwd(scale, aux_loss, g):
+    return g, jnp.full_like(aux_loss, scale)
+
+
+attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
 
 
 def _is_box(x: Any) -> bool:
