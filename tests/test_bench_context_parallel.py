@@ -41,7 +41,7 @@ def test_quick_run_figures_and_report(tmp_path):
     assert balanced["load_balanced"] and not contiguous["load_balanced"]
     assert balanced["products"] == [5, 5] and balanced["products_imbalance"] == 0  # 2 cp + 1 each
     assert contiguous["products"] == [1, 2]
-    assert all(_positive(t) for r in res["balance"] for t in r["times_s"])
+    assert all(_positive(t) for r in res["balance"] for key in ("times_s", "cpu_s") for t in r[key])
 
     (hide,) = res["hiding"]
     assert hide["cp"] == 2 and all(_positive(hide[k]) for k in ("ring_s", "no_hops_s", "hops_s"))
