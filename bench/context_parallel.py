@@ -1,8 +1,8 @@
 """Context parallelism: per-device attention memory and step time, the longest sequence within a
 memory budget, load balance, and how much of the ring's communication is hidden.
 
-    python bench/context_parallel.py            # ~5 min on 2 cores
-    python bench/context_parallel.py --quick    # tiny sizes, one rep (the test's smoke run)
+    python bench/context_parallel.py            # ~5 min on 2 cores (7-8 min with other jobs on them)
+    python bench/context_parallel.py --quick    # tiny sizes, one rep, ~1 min (the test's smoke run)
 
 One process, ``--devices`` simulated CPU devices; a mesh of the first ``cp`` with the axis
 ``"cp"``. The workload is one GPT-like causal self-attention, ``[batch, heads, seq, head_dim]``
@@ -14,9 +14,9 @@ inputs are random, so they are not reordered: the order of the tokens changes no
 1. **cp = 1, 2, 4, 8 at ``--seq``**, ``p2p`` (ring) and ``all_gather``: per-device memory from
    the compiled executable's ``memory_analysis()`` (arguments, outputs, temporaries; an SPMD
    program, so per device; *total* = arguments + outputs + temporaries - aliased), and the
-   median step time. Reference row: the model's attention without CP (``causal_attention``, on
-   CPU the C++ flash kernel, whose scratch ``memory_analysis`` does not see). Target: total at
-   cp=4 <= 0.3x cp=1 of the same kernel.
+   median step time (all of part 1's programs timed round-robin). Reference row: the model's
+   attention without CP (``causal_attention``, on CPU the C++ flash kernel, whose scratch
+   ``memory_analysis`` does not see). Target: total at cp=4 <= 0.3x cp=1 of the same kernel.
 2. **Sequence length** (``--seqs``, compiled only): the same per-device totals, and at each cp
    the longest sequence (a multiple of ``--granule``) whose total fits ``--budget-mib``: a
    quadratic fit of the grid's totals, checked by compiling at the pick and one granule above.
@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from timing import median_seconds, round_robin_medians, round_robin_times  # noqa: E402
+from timing import round_robin_medians, round_robin_times  # noqa: E402
 
 MIB = 1024 * 1024
 COMM_TYPES = ("p2p", "all_gather")  # as core.context_parallel.COMM_TYPES (imported with JAX, later)
@@ -188,25 +188,22 @@ class Programs:
 
 # -- the parts ---------------------------------------------------------------------------------
 def cp_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> list[dict[str, Any]]:
-    """Part 1: per-device memory and median step time by comm type and cp at ``seq``, and the reference."""
+    """Part 1: per-device memory and median step time (all programs timed round-robin) by comm type
+    and cp at ``seq``, and the reference."""
+    import jax
+
     from core.models.gpt.causal_attention import attention_implementation
 
     shape = programs.shape(seq)
-    rows = []
-    for comm in COMM_TYPES:
-        for cp in cps:
-            compiled = programs.step(comm, cp, seq)
-            rows.append({"comm": comm, "cp": cp, **memory(compiled),
-                         "step_s": median_seconds(compiled, *inputs_for(compiled, shape), reps=reps)})
-    for row in rows:
-        row["ratio"] = row["total"] / next(r["total"] for r in rows if r["comm"] == row["comm"] and r["cp"] == 1)
-    import jax
-
-    compiled = compile_for(reference_step(), shape)
     x = jax.ShapeDtypeStruct(shape, "float32")
-    rows.append({"comm": f"none: `causal_attention` ({attention_implementation(x, x, x)})", "cp": 1, **memory(compiled),
-                 "ratio": float("nan"),
-                 "step_s": median_seconds(compiled, *inputs_for(compiled, shape), reps=reps)})
+    cases = [(comm, cp, programs.step(comm, cp, seq)) for comm in COMM_TYPES for cp in cps]
+    cases.append((f"none: `causal_attention` ({attention_implementation(x, x, x)})", 1,
+                  compile_for(reference_step(), shape)))
+    times = round_robin_medians([partial(c, *inputs_for(c, shape)) for _, _, c in cases], reps=reps)
+    rows = [{"comm": comm, "cp": cp, **memory(c), "step_s": t} for (comm, cp, c), (t,) in zip(cases, times)]
+    for row in rows:
+        one = [r["total"] for r in rows if r["comm"] == row["comm"] and r["cp"] == 1]
+        row["ratio"] = row["total"] / one[0] if row["comm"] in COMM_TYPES else math.nan
     return rows
 
 
@@ -260,7 +257,8 @@ def balance_rows(programs: Programs, seq: int, cp: int, reps: int) -> list[dict[
     for lb in (True, False):  # each order's ranks timed together, round-robin
         ranks = [compile_for(rank_workload(cp, r, lb), shape) for r in range(cp)]
         args = inputs_for(ranks[0], shape)
-        times = round_robin_medians([partial(c, *args) for c in ranks], reps=reps,
+        # The contiguous order's spread (cp x) needs a quarter of the rounds the balanced one's needs.
+        times = round_robin_medians([partial(c, *args) for c in ranks], reps=reps if lb else max(1, reps // 4),
                                     clocks=(time.perf_counter, time.process_time))
         wall, cpu = zip(*times)
         counts = block_products(cp, load_balanced=lb)
@@ -374,8 +372,9 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--granule", type=int, default=256, help="part 2's longest sequences are multiples of this")
     p.add_argument("--balance-cp", type=int, default=4, help="part 3's context-parallel size")
     p.add_argument("--hide-cps", default="2,4,8", help="part 4's context-parallel sizes")
-    p.add_argument("--reps", type=int, default=3, help="timed calls per step time (median, after one warm-up)")
-    p.add_argument("--balance-reps", type=int, default=31, help="round-robin rounds of part 3 (median)")
+    p.add_argument("--reps", type=int, default=3, help="round-robin rounds of part 1 (median, after one warm-up)")
+    p.add_argument("--balance-reps", type=int, default=41,
+                   help="round-robin rounds of part 3, load-balanced (median; contiguous: a quarter)")
     p.add_argument("--hide-reps", type=int, default=7, help="round-robin rounds of part 4 (median)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "context_parallel_cpu.md"))
@@ -425,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cp_text = (f"{cp_table(cp)}\n\nTotal memory per device at cp=4 over cp=1 (same kernel): "
                + ", ".join(f"{comm} **{x:.3f}**" for comm, x in ratios.items())
                + f" (target <= {TARGET_MEMORY_RATIO}: {'met' if met else 'NOT met'})")
-    print(f"\n1. seq {a.seq}, cp = {a.cps} (median of {a.reps}; {lap()})\n\n{cp_text}", flush=True)
+    print(f"\n1. seq {a.seq}, cp = {a.cps} (median of {a.reps} round-robin rounds; {lap()})\n\n{cp_text}", flush=True)
 
     grid, longest = seq_rows(programs, seqs, cps, budget, a.granule)
     seq_text = f"{seq_table(grid, seqs, cps)}\n\n{longest_table(longest, budget)}"
@@ -440,8 +439,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"(target <= {100 * TARGET_IMBALANCE:.0f}%) **{100 * balanced['imbalance']:.1f}%** wall "
                 f"({verdict['imbalance']}), **{100 * balanced['cpu_imbalance']:.1f}%** CPU time "
                 f"({verdict['cpu_imbalance']})")
-    print(f"\n3. load balance, seq {a.seq}, cp {a.balance_cp} (median of {a.balance_reps} round-robin rounds; "
-          f"{lap()})\n\n{bal_text}", flush=True)
+    print(f"\n3. load balance, seq {a.seq}, cp {a.balance_cp} (median of {a.balance_reps} round-robin rounds, "
+          f"contiguous {max(1, a.balance_reps // 4)}; {lap()})\n\n{bal_text}", flush=True)
 
     hiding = hiding_rows(programs, a.seq, hide_cps, a.hide_reps)
     hide_text = hiding_table(hiding)
@@ -452,11 +451,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     header = (f"`python bench/context_parallel.py{' --quick' if a.quick else ''}`, {time.strftime('%Y-%m-%d')}, "
               f"{a.machine}; {elapsed:.0f} s; 1-min load average {load_start:.1f} at the start, {load_end:.1f} at "
               f"the end" + (f". {a.note}" if a.note else "") + f"\n\nWorkload: {workload}.\n")
-    report = (f"{header}\n## 1. Memory and step time vs cp (seq {a.seq}, median of {a.reps})\n\n{cp_text}\n\n"
+    report = (f"{header}\n## 1. Memory and step time vs cp (seq {a.seq}, median of {a.reps} round-robin rounds)\n\n"
+              f"{cp_text}\n\n"
               f"## 2. Per-device total MiB vs sequence length (compiled only); longest sequence within "
               f"{a.budget_mib:.0f} MiB (multiples of {a.granule})\n\n{seq_text}\n\n"
               f"## 3. Load balance (seq {a.seq}, cp {a.balance_cp}; each rank's workload alone on one device, "
-              f"median of {a.balance_reps} round-robin rounds)\n\n{bal_text}\n\n"
+              f"median of {a.balance_reps} round-robin rounds, contiguous {max(1, a.balance_reps // 4)})\n\n"
+              f"{bal_text}\n\n"
               f"## 4. Ring communication hidden (seq {a.seq}, median of {a.hide_reps} round-robin rounds)\n\n"
               f"{hide_text}\n")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
