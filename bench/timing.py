@@ -1,10 +1,10 @@
-"""Shared by the benchmarks: median wall time of a jitted call."""
+"""Shared by the benchmarks: median wall time of jitted calls."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -20,3 +20,32 @@ def median_seconds(fn: Callable[..., Any], *args: Any, reps: int = 5, warmup: in
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def round_robin_times(fns: Sequence[Callable[[], Any]], reps: int = 5, warmup: int = 1,
+                      clocks: Sequence[Callable[[], float]] = (time.perf_counter,)) -> list[list[list[float]]]:
+    """``times[f][c][i]``: seconds of ``fns[f]()`` on ``clocks[c]`` in round ``i``. Each of ``reps``
+    rounds calls every function once in turn, so the host's slow spells hit all of them alike
+    (and same-round differences cancel them), after ``warmup`` untimed rounds; round ``i``
+    starts at function ``i mod n``, so no function always runs after the same one (whose freed
+    buffers and caches it meets). Wall time by default; ``time.process_time`` counts this
+    process's CPU time, which other jobs on the host inflate less."""
+    import jax
+
+    times: list[list[list[float]]] = [[[] for _ in clocks] for _ in fns]
+    for i in range(warmup + reps):
+        for j in range(len(fns)):
+            f = (i + j) % len(fns)
+            start = [clock() for clock in clocks]
+            jax.block_until_ready(fns[f]())
+            if i >= warmup:
+                for clock, t0, ts in zip(clocks, start, times[f]):
+                    ts.append(clock() - t0)
+    return times
+
+
+def round_robin_medians(fns: Sequence[Callable[[], Any]], reps: int = 5, warmup: int = 1,
+                        clocks: Sequence[Callable[[], float]] = (time.perf_counter,)) -> list[tuple[float, ...]]:
+    """Per function, the median seconds on each clock of :func:`round_robin_times`."""
+    times = round_robin_times(fns, reps, warmup, clocks)
+    return [tuple(statistics.median(ts) for ts in per_clock) for per_clock in times]

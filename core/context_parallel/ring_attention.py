@@ -135,12 +135,22 @@ def _run_step(table, causal, rank, step, cp, fn, *operands):
                     *operands)
 
 
-def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale):
-    cp = lax.axis_size(axis_name)
-    rank = lax.axis_index(axis_name)
+def _topology(axis_name, isolated):
+    """The ring's size, this rank and the K/V hop to the next rank: from ``axis_name``
+    (``lax.ppermute``), or, for ``isolated = (cp, rank)``, the given ones (``rank=None``: the
+    rank from ``axis_name``) and a no-op hop."""
+    if isolated is None:
+        cp = lax.axis_size(axis_name)
+        perm = [(i, (i + 1) % cp) for i in range(cp)]
+        return cp, lax.axis_index(axis_name), partial(lax.ppermute, axis_name=axis_name, perm=perm)
+    cp, rank = isolated
+    return cp, lax.axis_index(axis_name) if rank is None else rank, lambda x: x
+
+
+def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated):
+    cp, rank, hop = _topology(axis_name, isolated)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
-    perm = [(i, (i + 1) % cp) for i in range(cp)]
     qs = _split_seq(q, n_slots, 3)
     acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
     step_fn = partial(_forward_products, scale=scale)
@@ -151,12 +161,12 @@ def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale):
 
     kv = (k, v)
     # Send the block on before computing with it: the transfer can overlap the block products.
-    nxt = lax.ppermute(kv, axis_name, perm) if cp > 1 else kv
+    nxt = hop(kv) if cp > 1 else kv
     acc = compute(0, kv, acc)
     if cp > 1:
         def body(carry, step):
             kv, acc = carry
-            nxt = lax.ppermute(kv, axis_name, perm)
+            nxt = hop(kv)
             return (nxt, compute(step, kv, acc)), None
 
         (kv, acc), _ = lax.scan(body, (nxt, acc), jnp.arange(1, cp - 1))
@@ -192,12 +202,10 @@ def _backward_products(products, qs, dos, lses, deltas, scale, dq, k, v):
     return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
 
 
-def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale):
-    cp = lax.axis_size(axis_name)
-    rank = lax.axis_index(axis_name)
+def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale, isolated):
+    cp, rank, hop = _topology(axis_name, isolated)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
-    perm = [(i, (i + 1) % cp) for i in range(cp)]
     delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
     qs, dos = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3)
     lses, deltas = _split_seq(lse, n_slots, 3), _split_seq(delta, n_slots, 3)
@@ -209,49 +217,50 @@ def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scal
 
     kv = (k, v)
     dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
-    nxt = lax.ppermute(kv, axis_name, perm) if cp > 1 else kv
+    nxt = hop(kv) if cp > 1 else kv
     dq, dk, dv = compute(0, kv, dq)
     if cp > 1:
         def body(carry, step):
             kv, dkv, dq = carry
             # The dK/dV accumulators of the block now held arrive while this step computes;
             # both sends overlap the block products.
-            incoming = lax.ppermute(dkv, axis_name, perm)
-            nxt = lax.ppermute(kv, axis_name, perm)
+            incoming = hop(dkv)
+            nxt = hop(kv)
             dq, dk, dv = compute(step, kv, dq)
             return (nxt, (incoming[0] + dk, incoming[1] + dv), dq), None
 
         (kv, dkv, dq), _ = lax.scan(body, (nxt, (dk, dv), dq), jnp.arange(1, cp - 1))
-        incoming = lax.ppermute(dkv, axis_name, perm)
+        incoming = hop(dkv)
         dq, dk, dv = compute(cp - 1, kv, dq)
         # One more hop brings every accumulator home: after step cp-1 rank r holds rank r+1's.
-        dk, dv = lax.ppermute((incoming[0] + dk, incoming[1] + dv), axis_name, perm)
+        dk, dv = hop((incoming[0] + dk, incoming[1] + dv))
     dq = jnp.concatenate(dq, axis=3)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring(q, k, v, axis_name, causal, load_balanced, scale):
-    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _ring(q, k, v, axis_name, causal, load_balanced, scale, isolated):
+    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale):
-    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale)
+def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale, isolated):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated)
     out = out.astype(q.dtype)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis_name, causal, load_balanced, scale, residuals, d_out):
+def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, residuals, d_out):
     q, k, v, out, lse = residuals
-    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale)
+    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale, isolated)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
-                   load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None) -> jax.Array:
+                   load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
+                   _isolated: tuple[int, int | None] | None = None) -> jax.Array:
     """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
     ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
 
@@ -261,7 +270,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     :func:`core.context_parallel.load_balance.reorder_for_cp`), else the contiguous chunk ``r``.
     ``causal`` masks by global position. Scores, softmax and accumulators are float32 whatever
     the input dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``.
+
+    ``_isolated = (cp, rank)`` is a benchmark hook (``bench/context_parallel.py``), not attention:
+    it runs rank ``rank``'s schedule of a ring of ``cp`` with every K/V hop a no-op, so each step
+    computes with the local K/V: the same block products in the same shapes, no communication,
+    and no ``axis_name`` needed. ``(cp, None)`` inside ``shard_map``: every rank of ``axis_name``
+    runs its own schedule, none communicates. The result's values are meaningless.
     """
     qg, k, v = to_grouped(q, k, v, layout, load_balanced)
-    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale))
+    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated)
     return from_grouped(out, layout)

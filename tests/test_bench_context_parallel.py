@@ -1,0 +1,61 @@
+"""``bench/context_parallel.py --quick`` runs in one process on the suite's simulated devices and
+its figures are sane: memory falls with cp, the longest sequence grows with it, load-balanced
+ranks do equal block products and contiguous ones do not (no timing assertions)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_context_parallel", ROOT / "bench" / "context_parallel.py")
+bench_cp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_cp)
+
+
+def _positive(x) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def test_quick_run_figures_and_report(tmp_path):
+    out = tmp_path / "cp.md"
+    res = bench_cp.main(["--quick", "--out", str(out)])
+
+    rows = [r for r in res["cp"] if r["comm"] in bench_cp.COMM_TYPES]
+    assert {(r["comm"], r["cp"]) for r in rows} == {(c, cp) for c in bench_cp.COMM_TYPES for cp in (1, 4)}
+    for r in rows:
+        assert all(_positive(r[k]) for k in ("args", "out", "total", "step_s"))
+        # Per device: the local q, k, v, w shrink with cp (the outputs too, plus a tuple's pointer table).
+        one = next(x for x in rows if x["comm"] == r["comm"] and x["cp"] == 1)
+        assert r["args"] * r["cp"] == one["args"] and r["out"] < one["out"] / r["cp"] + 1024
+        assert (r["ratio"] < 1) == (r["cp"] > 1)
+    assert set(res["memory_ratios"]) == set(bench_cp.COMM_TYPES)
+    assert all(0 < x < 1 for x in res["memory_ratios"].values())
+
+    assert all(_positive(total) for total in res["grid"].values())
+    for comm in bench_cp.COMM_TYPES:
+        longest = {r["cp"]: r for r in res["longest"] if r["comm"] == comm}
+        assert longest[4]["seq"] > longest[1]["seq"] > 0
+        assert all(r["confirmed"] and r["total"] <= 1.0 * bench_cp.MIB for r in longest.values())
+
+    balanced, contiguous = res["balance"]
+    assert balanced["load_balanced"] and not contiguous["load_balanced"]
+    assert balanced["products"] == [5, 5] and balanced["products_imbalance"] == 0  # 2 cp + 1 each
+    assert contiguous["products"] == [1, 2]
+    assert all(_positive(t) for r in res["balance"] for key in ("times_s", "cpu_s") for t in r[key])
+
+    (hide,) = res["hiding"]
+    assert hide["cp"] == 2 and all(_positive(hide[k]) for k in ("ring_s", "no_hops_s", "hops_s"))
+    assert math.isfinite(hide["hidden"])
+
+    text = out.read_text()
+    for heading in ("## 1. Memory", "## 2. Per-device", "## 3. Load balance", "## 4. Ring communication"):
+        assert heading in text
+    assert "| p2p | 4 |" in text and "| load-balanced: block products | 64 | 5 | 5 |" in text
+
+
+def test_longest_within_steps_to_the_exact_multiple():
+    # A quadratic the fit recovers, and one it does not (a step at 1000): both end on the last multiple that fits.
+    assert bench_cp.longest_within(lambda s: s * s, [100, 200, 400], budget=300 ** 2 + 1, granule=10) == (300, True)
+    step = lambda s: s * s + (10**7 if s > 1000 else 0)
+    assert bench_cp.longest_within(step, [400, 800, 1600], budget=1500 ** 2, granule=100) == (1000, True)
+    assert bench_cp.longest_within(lambda s: s, [10, 20], budget=5, granule=10) == (0, True)
