@@ -13,7 +13,7 @@ def reference():
 
 
 # Every layout but three whose flags other entries cover at the same tp x pp: plain (2, 2) (the
-# Llama-class test runs it), (2, 1) with the distributed optimizer, plain (1, 4) (under mpirun).
+# Llama-class test runs it), (2, 1) with the distributed optimizer and plain (1, 4).
 @pytest.mark.parametrize("tp,pp,extra", [LAYOUTS[i] for i in (0, 1, 3, 4, 7, 8, 9)],
                          ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
 def test_loss_trajectory_matches_single_device(reference, tp, pp, extra):

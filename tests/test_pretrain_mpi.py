@@ -21,16 +21,12 @@ def _reference(extra: tuple = ()) -> list[float]:
     return comm.bcast(reference_losses(extra=extra) if comm.rank == 0 else None, root=0)
 
 
-@pytest.mark.parametrize("tp,pp,extra", [LAYOUTS[i] for i in (3, 6)],
-                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else str(v))
-def test_loss_trajectory_matches_single_device(tp, pp, extra):
+def test_loss_trajectory_matches_single_device():
+    # tp2 x pp2 x dp2, distributed optimizer, SP: every GPT collective crosses processes. The other
+    # layouts run in one process (tests/test_pretrain_layouts.py), with the same code paths.
+    tp, pp, extra = LAYOUTS[3]
     losses = layout_losses(tp, pp, jax.devices(), extra=extra)
     np.testing.assert_allclose(losses, _reference(), rtol=1e-4)
-
-
-def test_llama_loss_trajectory_matches_single_device():
-    losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + ("--sequence-parallel",))
-    np.testing.assert_allclose(losses, _reference(LLAMA), rtol=1e-4)
 
 
 def test_context_parallel_loss_trajectory_matches_single_device():
