@@ -1,6 +1,9 @@
 """Loss-curve guards of ``launch/pretrain.py`` (one process, simulated devices):
 ``--check-for-nan-in-loss-and-grad`` names the parameters and ranks of a NaN gradient, and
-``--check-for-spiky-loss`` skips the update of a step whose loss jumps above the recent ones."""
+``--check-for-spiky-loss`` skips the update of a step whose loss jumps above the recent ones; a
+full disk stops the run with one line and keeps the previous checkpoint."""
+
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +11,7 @@ import numpy as np
 import pytest
 from pretrain_harness import TINY
 
+from core import checkpointing
 from core import parallel_state as ps
 from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer, TrainingError
@@ -28,6 +32,29 @@ def _poison(params):
     i = next(i for i, p in enumerate(paths) if "final" in p and "scale" in p)
     leaves[i] = leaves[i].at[0].set(jnp.nan)
     return jax.tree.unflatten(treedef, leaves), paths[i]
+
+
+def test_full_disk_is_one_clear_error_and_the_previous_checkpoint_stays(tmp_path):
+    # A tmpfs with room for one checkpoint (needs mount rights, as root in CI).
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    t = _trainer()
+    t.step()
+    t.save(str(tmp_path / "probe"))
+    size = sum(f.stat().st_size for f in (tmp_path / "probe").rglob("*") if f.is_file())
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        t.step()
+        t.save(str(disk / "ckpt"))
+        t.step()
+        with pytest.raises(TrainingError, match=r"cannot write checkpoint 3 to .*No space left on device.*"
+                                                r"the earlier checkpoints are intact"):
+            t.save(str(disk / "ckpt"))
+        assert checkpointing.latest_valid_step(disk / "ckpt") == (2, [])
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_spiky_loss_skips_the_update_and_a_nan_gradient_is_named():

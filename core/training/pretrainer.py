@@ -71,6 +71,13 @@ class TrainingError(RuntimeError):
     """Training cannot go on (NaN loss, unusable checkpoint); reported as one line."""
 
 
+def _first_line(error: BaseException, limit: int = 400) -> str:
+    """An exception's message as one line of at most ``limit`` characters: its start and its end,
+    where orbax puts the reason (``... No space left on device``)."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return line if len(line) <= limit else f"{line[:limit // 3]} ... {line[-(limit - limit // 3 - 5):]}"
+
+
 def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
     """Megatron's schedule: linear warm-up to ``--lr``, then constant/linear/cosine decay to ``--min-lr``."""
     decay_iters = max(1, (args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters)
@@ -460,9 +467,9 @@ class Pretrainer:
             self._saver = checkpointing.CheckpointSaver(directory, async_save=bool(self.args.async_save))
         try:
             self._saver.save(self.iteration, state, meta)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
             self._saver = None
-            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {e}; "
+            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_first_line(e)}; "
                                 "the earlier checkpoints are intact") from None
 
     def finish_saving(self) -> None:
@@ -470,8 +477,8 @@ class Pretrainer:
         if self._saver is not None:
             try:
                 self._saver.close()
-            except OSError as e:
-                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {e}; "
+            except (OSError, ValueError) as e:
+                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {_first_line(e)}; "
                                     "the earlier checkpoints are intact") from None
             finally:
                 self._saver = None
