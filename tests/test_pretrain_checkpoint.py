@@ -60,6 +60,7 @@ def test_same_layout_resumes_exactly(saved):
 OTHER_LAYOUTS = [
     (1, 1, 1, ()),
     (1, 1, 8, ("--use-distributed-optimizer",)),
+    (2, 1, 8, ()),
     (2, 2, 8, ("--virtual-pipeline-model-parallel-size", "2")),
     (1, 4, 8, ("--use-distributed-optimizer",)),
     (2, 1, 8, ("--context-parallel-size", "2", "--use-distributed-optimizer")),
@@ -67,7 +68,7 @@ OTHER_LAYOUTS = [
 
 
 @pytest.mark.parametrize("tp,pp,devices,extra", OTHER_LAYOUTS,
-                         ids=["1x1x1", "1x1x8-do", "2x2x2-vpp2", "1x4x2-do", "2x1xcp2x2-do"])
+                         ids=["1x1x1", "1x1x8-do", "2x1x4", "2x2x2-vpp2", "1x4x2-do", "2x1xcp2x2-do"])
 def test_other_layout_resumes_with_the_optimizer_state(saved, tp, pp, devices, extra):
     directory, later = saved
     b = _trainer(tp, pp, *extra, devices=devices)
