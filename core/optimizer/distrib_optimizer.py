@@ -290,18 +290,13 @@ class DistributedOptimizer:
         state = {"master": global_state["master"], "inner": global_state["inner"]}
         if self.sharded:
             n = len(self.flags.decay)
-
-            def shards_of(leaves: Sequence[Any]) -> tuple[Buckets, ...]:
-                return self._shards([flatten_to_buckets(leaves, s, jnp.float32) for s in self.specs])
-
             is_leaves = lambda x: isinstance(x, list) and jax.tree.structure(x) == jax.tree.structure([0] * n)
-            inner = jax.tree.map(lambda x: shards_of(x) if is_leaves(x) else x, global_state["inner"],
+            inner = jax.tree.map(lambda x: self._param_shards(x) if is_leaves(x) else x, global_state["inner"],
                                  is_leaf=is_leaves)
-            master = list(global_state["master"])
-            shards = self._shards([flatten_to_buckets(master, s, jnp.float32) if s.key.param_dtype != "float32"
-                                   else () for s in self.specs])
-            state = {"master": tuple(m if s.key.param_dtype != "float32" else ()
-                                     for s, m in zip(self.specs, shards, strict=True)), "inner": inner}
+            master = list(global_state["master"])  # () for fp32 params, whose buffers keep no master
+            state = {"master": self._shards([flatten_to_buckets(master, s, jnp.float32)
+                                             if s.key.param_dtype != "float32" else () for s in self.specs]),
+                     "inner": inner}
         return {**state, **self._init_trackers()}
 
     @staticmethod

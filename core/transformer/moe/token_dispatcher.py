@@ -59,8 +59,8 @@ def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
-class MoEAlltoAllTokenDispatcher:
-    """Megatron's ``alltoall`` dispatcher over the ``ep`` axis (see the module docstring)."""
+class _TokenDispatcher:
+    """What both dispatchers hold: the expert split over the ``ep`` axis."""
 
     def __init__(self, num_experts: int, ep_size: int, ep_axis: str = "ep"):
         """``num_experts`` global experts split over ``ep_size`` ranks along mesh axis ``ep_axis``."""
@@ -68,6 +68,10 @@ class MoEAlltoAllTokenDispatcher:
         self.ep = ep_size
         self.num_local_experts = num_experts // ep_size
         self.ep_axis = ep_axis
+
+
+class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
+    """Megatron's ``alltoall`` dispatcher over the ``ep`` axis (see the module docstring)."""
 
     def dispatch(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
         """Rows ``[M, h]`` for the local experts, ``group_sizes [E_local]`` and the combine context."""
@@ -133,15 +137,8 @@ class MoEAlltoAllTokenDispatcher:
         return _weighted_sum(out[ctx["where"]], ctx["probs"], ctx["dtype"])
 
 
-class MoEAllGatherTokenDispatcher:
+class MoEAllGatherTokenDispatcher(_TokenDispatcher):
     """Megatron's ``allgather`` dispatcher over the ``ep`` axis (see the module docstring)."""
-
-    def __init__(self, num_experts: int, ep_size: int, ep_axis: str = "ep"):
-        """``num_experts`` global experts split over ``ep_size`` ranks along mesh axis ``ep_axis``."""
-        self.num_experts = num_experts
-        self.ep = ep_size
-        self.num_local_experts = num_experts // ep_size
-        self.ep_axis = ep_axis
 
     def dispatch(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
         """Rows ``[M, h]`` of the ep group's assignments to the local experts, grouped by expert."""
