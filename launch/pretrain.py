@@ -105,7 +105,7 @@ def _run(args, layout, rank: int) -> int:
     from core.training.train_logging import TrainingLogger
 
     if not args.no_compilation_cache:
-        enable_compilation_cache(args.compilation_cache_dir or default_cache_dir())
+        enable_compilation_cache(args.compilation_cache_dir or default_cache_dir(), share_between_processes=True)
     state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                          layout.virtual_pipeline_model_parallel_size,
                                          context_parallel_size=layout.context_parallel_size,

@@ -14,6 +14,14 @@ gain at all from a warm cache). For CPU programs :func:`enable_compilation_cache
 by what the compiled code depends on instead (device count, architecture and CPU feature flags,
 so hosts of another ISA do not share entries), the same in every process. GPU keys are JAX's own
 (they are process-invariant already).
+
+``share_between_processes`` (multi-process CPU jobs, see :func:`enable_compilation_cache`) goes
+one step further for a cold cache: the first process compiles each program that spans
+processes and hands the binary to the others through the ``jax.distributed`` key-value store
+(JAX's ``jax_share_binary_between_hosts``), instead of every process compiling it at once. On
+one host the processes share its cores, so N processes compiling together took N times one
+compile (measured, 8 processes on 2 cores, the 8-process GPT test: 225 s cold without, 118 s
+with; 77 s warm).
 """
 
 from __future__ import annotations
@@ -34,8 +42,16 @@ def default_cache_dir() -> str:
     return os.path.join(base, "megatron_core_jax", "jax")
 
 
-def enable_compilation_cache(directory: str) -> None:
-    """Cache every compiled program under ``directory`` (created if missing)."""
+def enable_compilation_cache(directory: str, share_between_processes: bool = False) -> None:
+    """Cache every compiled program under ``directory`` (created if missing).
+
+    With ``share_between_processes`` and a multi-process job on the CPU backend, process 0
+    compiles each multi-process program and the others receive its binary (module docstring).
+    Not on other backends (unmeasured there), and not when XLA splits CPU temp buffers into
+    heaps: such a program cannot be serialized (``core.cpu_malloc.CACHEABLE_RUN_ITERS``), and
+    the other processes would wait for a binary that never comes. Call after
+    ``jax.distributed`` has started.
+    """
     import jax
 
     os.makedirs(directory, exist_ok=True)
@@ -43,6 +59,20 @@ def enable_compilation_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     _key_cpu_programs_alike_in_every_process()
+    if share_between_processes and can_share_cpu_programs():
+        jax.config.update("jax_share_binary_between_hosts", True)
+
+
+def can_share_cpu_programs() -> bool:
+    """Whether this job may share compiled programs between processes: several processes, on
+    the CPU backend, without XLA's heap split (whose programs do not serialize)."""
+    import jax
+
+    from core.cpu_malloc import XLA_HEAP_FLAG
+
+    heap_flag = XLA_HEAP_FLAG.split("=")[0]
+    return (jax.process_count() > 1 and jax.default_backend() == "cpu"
+            and heap_flag not in os.environ.get("XLA_FLAGS", ""))
 
 
 def cpu_isa_fingerprint() -> str:
