@@ -18,6 +18,7 @@ from core.context_parallel import (
     block_products,
     context_parallel_attention,
     cp_positions,
+    kv_rotation_for,
     load_balance_chunk_order,
     load_balance_permutation,
     reorder_for_cp,
@@ -48,12 +49,12 @@ def _inputs(kv_heads=H, dtype=jnp.float32, seed=0):
     return tuple(x.astype(dtype) for x in (q, k, v)) + (w,)
 
 
-def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False):
+def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False, kv_rotation="ppermute"):
     """Jitted shard_map: local output and q/k/v grads of sum(out * w), all split over cp."""
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     spec = P(None, None, "cp", None) if layout == "bnsd" else P(None, "cp", None, None)
     attn = partial(context_parallel_attention, comm_type=comm_type, causal=causal,
-                   load_balanced=load_balanced, layout=layout)
+                   load_balanced=load_balanced, layout=layout, kv_rotation=kv_rotation)
 
     def local(q, k, v, w):
         def loss(q, k, v):
@@ -66,13 +67,15 @@ def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4, check_vma=check_vma)
 
 
-def _run(cp, comm_type, load_balanced, causal=True, kv_heads=H, dtype=jnp.float32, layout="bnsd", check_vma=False):
+def _run(cp, comm_type, load_balanced, causal=True, kv_heads=H, dtype=jnp.float32, layout="bnsd", check_vma=False,
+         kv_rotation="ppermute"):
     q, k, v, w = _inputs(kv_heads, dtype)
     seq_axis = 2 if layout == "bnsd" else 1
     prep = (lambda x: reorder_for_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
     post = (lambda x: restore_from_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
     args = (q, k, v, w) if layout == "bnsd" else tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, w))
-    outs = jax.jit(_cp_fn(cp, comm_type, load_balanced, causal, layout, check_vma))(*(prep(x) for x in args))
+    outs = jax.jit(_cp_fn(cp, comm_type, load_balanced, causal, layout, check_vma, kv_rotation))(
+        *(prep(x) for x in args))
     outs = tuple(post(x) for x in outs)
     if layout == "bsnd":
         outs = tuple(jnp.swapaxes(x, 1, 2) for x in outs)
@@ -112,6 +115,51 @@ def test_grouped_query_attention(comm_type):
 def test_check_vma(comm_type):
     # The project's shard_maps use check_vma=False; the functions also trace under JAX's checker.
     _assert_close(*_run(2, comm_type, True, check_vma=True), atol=1e-5)
+
+
+@pytest.mark.parametrize("load_balanced", [True, False])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_all_gather_rotation_matches_full_causal_attention(cp, load_balanced):
+    # The ring with each K/V hop done by an all-gather over "cp" (the CPU backend's rotation
+    # inside pipeline stages): the same schedule, so the same result as plain attention.
+    _assert_close(*_run(cp, "p2p", load_balanced, kv_heads=2, kv_rotation="all_gather"), atol=1e-5)
+
+
+def test_kv_rotation_is_all_gather_only_on_cpu_inside_pipeline_stages(monkeypatch):
+    assert jax.default_backend() == "cpu"
+    assert (kv_rotation_for(True), kv_rotation_for(False)) == ("all_gather", "ppermute")
+    # Any other backend keeps the ring's ppermute (NCCL send/recv between the pair on GPU).
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert (kv_rotation_for(True), kv_rotation_for(False)) == ("ppermute", "ppermute")
+
+
+def test_ring_in_diverging_pipeline_stages():
+    # dp2 x pp2 x cp2 as in the pipeline executor's slot: stage 0 runs the ring's forward in one
+    # lax.cond while stage 1 idles, then stage 1 runs its gradient in the next while stage 0
+    # idles. XLA's CPU collective-permute rendezvouses all 8 devices (with "ppermute" this
+    # program hangs and aborts); the rotation kv_rotation_for picks here rendezvouses per cp group.
+    cp = 2
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, cp), ("dp", "pp", "cp"))
+    attn = partial(context_parallel_attention, comm_type="p2p", kv_rotation=kv_rotation_for(True))
+
+    def local(q, k, v, w):
+        stage = jax.lax.axis_index("pp")
+        zeros = (jnp.zeros_like(q),) * 4
+        out = jax.lax.cond(stage == 0, lambda a: (attn(*a[:3]),) + zeros[1:], lambda a: zeros, (q, k, v, w))
+        grads = jax.lax.cond(
+            stage == 1, lambda a: (zeros[0], *jax.grad(lambda *x: jnp.sum(attn(*x) * a[3]), argnums=(0, 1, 2))(*a[:3])),
+            lambda a: zeros, (q, k, v, w))
+        return tuple((o + g)[None] for o, g in zip(out, grads))
+
+    spec = P(None, None, "cp", None)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(P("pp", None, None, "cp", None),) * 4,
+                       check_vma=False)
+    q, k, v, w = _inputs()
+    outs = jax.jit(fn)(*(reorder_for_cp(x, cp, seq_axis=2) for x in (q, k, v, w)))
+    outs = [restore_from_cp(x, cp, seq_axis=3) for x in outs]
+    ref_out, vjp = jax.vjp(_reference, q, k, v)
+    # Stage 0 computed the output, stage 1 the gradients.
+    _assert_close([outs[0][0], *(g[1] for g in outs[1:])], [ref_out, *vjp(w)], atol=1e-5)
 
 
 def test_bsnd_layout():
@@ -175,6 +223,8 @@ def test_bad_inputs():
             context_parallel_attention(odd, odd, odd, comm_type=comm_type)
     with pytest.raises(ValueError, match="layout"):
         context_parallel_attention(q, q, q, layout="sbnd")
+    with pytest.raises(ValueError, match="kv_rotation"):
+        context_parallel_attention(q, q, q, kv_rotation="all_to_all")
     with pytest.raises(ValueError, match="multiple of K/V heads"):
         context_parallel_attention(q, jnp.zeros((1, 3, 6, 8)), jnp.zeros((1, 3, 6, 8)))
     with pytest.raises(ValueError, match="equal local lengths"):
@@ -189,6 +239,8 @@ def test_collectives_in_jaxpr():
     q, k, v, w = (reorder_for_cp(x, 4, seq_axis=2) for x in _inputs())
     ring = str(jax.make_jaxpr(_cp_fn(4, "p2p", True, True))(q, k, v, w))
     assert "ppermute" in ring and "all_gather" not in ring
+    gathered_ring = str(jax.make_jaxpr(_cp_fn(4, "p2p", True, True, kv_rotation="all_gather"))(q, k, v, w))
+    assert "all_gather" in gathered_ring and "ppermute" not in gathered_ring
     gather = str(jax.make_jaxpr(_cp_fn(4, "all_gather", True, True))(q, k, v, w))
     assert "all_gather" in gather and "ppermute" not in gather
 

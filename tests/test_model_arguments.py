@@ -78,6 +78,11 @@ def test_context_parallel_layout():
     assert (config.context_parallel_size, config.cp_comm_type) == (2, "all_gather")
     plain = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
     assert validate_args(plain, 8).context_parallel_size == 1
+    # The ring (the default p2p) combines with (virtual) pipeline parallelism.
+    ring_pp = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+                          "--virtual-pipeline-model-parallel-size", "2", "--context-parallel-size", "2"])
+    assert validate_args(ring_pp, 8).describe().startswith("tp=1 pp=2")
+    assert model_config(ring_pp).cp_comm_type == "p2p"
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -98,10 +103,7 @@ def test_context_parallel_layout():
      "--reset-attention-mask with --context-parallel-size 2 is not supported yet"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
      "--context-parallel-size 2 with --attention-dropout 0.1 is not supported yet"),
-    (["--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"],
-     "--context-parallel-size 2 with --pipeline-model-parallel-size 2 and --cp-comm-type p2p is not supported yet"),
-], ids=["cp0", "world", "seq-p2p", "seq-all_gather", "seq-sp", "reset-attention-mask", "attn-dropout",
-        "p2p-pp"])
+], ids=["cp0", "world", "seq-p2p", "seq-all_gather", "seq-sp", "reset-attention-mask", "attn-dropout"])
 def test_context_parallel_flags_that_cannot_work_are_refused(flags, message):
     _assert_refused(flags, message)
 

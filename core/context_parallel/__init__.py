@@ -2,7 +2,8 @@
 
 * :mod:`~core.context_parallel.load_balance`: the load-balanced chunk order for causal
   attention (rank ``r`` holds chunks ``r`` and ``2cp-1-r``), its inverse, local global positions.
-* :mod:`~core.context_parallel.ring_attention`: ring (``p2p``) attention, K/V rotated by ``ppermute``.
+* :mod:`~core.context_parallel.ring_attention`: ring (``p2p``) attention, K/V rotated by ``ppermute``
+  (by an all-gather on the CPU backend inside pipeline stages: :func:`kv_rotation_for`).
 * :mod:`~core.context_parallel.all_gather_attention`: K/V all-gathered, queries local.
 * :mod:`~core.context_parallel.dispatch`: :func:`context_parallel_attention` by ``comm_type``.
 """
@@ -16,14 +17,16 @@ from core.context_parallel.load_balance import (
     reorder_for_cp,
     restore_from_cp,
 )
-from core.context_parallel.ring_attention import block_products, ring_attention
+from core.context_parallel.ring_attention import KV_ROTATIONS, block_products, kv_rotation_for, ring_attention
 
 __all__ = [
     "COMM_TYPES",
+    "KV_ROTATIONS",
     "all_gather_attention",
     "block_products",
     "context_parallel_attention",
     "cp_positions",
+    "kv_rotation_for",
     "load_balance_chunk_order",
     "load_balance_permutation",
     "reorder_for_cp",

@@ -13,15 +13,21 @@ COMM_TYPES = ("p2p", "all_gather")
 
 def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, comm_type: str = "p2p",
                                axis_name: str = "cp", causal: bool = True, load_balanced: bool = True,
-                               layout: str = "bnsd", scale: float | None = None) -> jax.Array:
+                               layout: str = "bnsd", scale: float | None = None,
+                               kv_rotation: str = "ppermute") -> jax.Array:
     """Attention over a sequence split across the context-parallel axis ``axis_name``, called inside
     ``jax.shard_map`` with this rank's local q/k/v; ``comm_type`` is ``"p2p"``
     (:func:`~core.context_parallel.ring_attention.ring_attention`) or ``"all_gather"``
-    (:func:`~core.context_parallel.all_gather_attention.all_gather_attention`). Raises
+    (:func:`~core.context_parallel.all_gather_attention.all_gather_attention`). ``kv_rotation``
+    is the ring's (see :func:`~core.context_parallel.ring_attention.kv_rotation_for`); the
+    all-gather kernel has no ring and ignores it. Raises
     ``ValueError`` for an unknown ``comm_type`` or layout, mismatched shapes, or (with
     ``load_balanced``) a local sequence that does not split into the rank's two chunks.
     """
     if comm_type not in COMM_TYPES:
         raise ValueError(f"comm_type must be one of {COMM_TYPES}, got {comm_type!r}")
-    fn = ring_attention if comm_type == "p2p" else all_gather_attention
-    return fn(q, k, v, axis_name=axis_name, causal=causal, load_balanced=load_balanced, layout=layout, scale=scale)
+    if comm_type == "p2p":
+        return ring_attention(q, k, v, axis_name=axis_name, causal=causal, load_balanced=load_balanced,
+                              layout=layout, scale=scale, kv_rotation=kv_rotation)
+    return all_gather_attention(q, k, v, axis_name=axis_name, causal=causal, load_balanced=load_balanced,
+                                layout=layout, scale=scale)

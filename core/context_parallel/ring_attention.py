@@ -3,7 +3,8 @@
 Called inside ``jax.shard_map`` on one context-parallel rank's local sequence. Each of the
 ``cp`` steps computes the local queries against the K/V block currently held while
 ``lax.ppermute`` passes that block on to the next rank, so the exchange can overlap the
-compute and no rank ever holds more than two K/V blocks. Softmax is blockwise and online in
+compute and no rank ever holds more than two K/V blocks (``cp`` during a hop with the CPU
+backend's all-gather rotation inside pipeline stages, below). Softmax is blockwise and online in
 float32: each block product returns its normalised output and row log-sum-exp (LSE), merged
 into per-chunk accumulators. The backward (``jax.custom_vjp``) saves only q, k, v, the output
 and the LSE; it recomputes every block's probabilities and sends dK/dV accumulators around the
@@ -19,6 +20,18 @@ branch per rank), not masked. With load balancing each step after the first is t
 products on every rank; without, rank ``r`` does ``r + 1`` products, so the last rank does
 ``cp`` times the first rank's work and the others wait for it. :func:`block_products` counts the table
 entries the kernel runs, from the same table.
+
+K/V rotation (``kv_rotation``). ``"ppermute"`` (the default, and the only one used off the CPU
+backend) sends each block to the next rank with ``lax.ppermute``; on GPU that is NCCL
+send/recv between the pair (not checked on a GPU in this project). XLA's CPU collective-permute
+instead rendezvouses every device of the program (its key lists all of them), so when devices
+outside the cp group run other code in between, as pipeline stages under the executor's
+per-slot ``lax.cond`` do, a ring step waits for, or meets, another stage's collective-permute:
+a hang or wrong K/V. ``"all_gather"`` does each hop with ``lax.all_gather`` over
+``axis_name``, which rendezvouses per cp group, and keeps the previous rank's block: the same
+values and schedule, but every hop moves ``cp - 1`` blocks to each rank instead of one and
+holds ``cp`` blocks for the hop. :func:`kv_rotation_for` picks it on the CPU backend inside
+pipeline stages only.
 """
 
 from __future__ import annotations
@@ -32,6 +45,10 @@ from jax import lax
 from core.context_parallel._inputs import default_scale, from_grouped, to_grouped
 
 _F32 = jnp.float32
+
+KV_ROTATIONS = ("ppermute", "all_gather")
+"""How a K/V block reaches the next ring rank: ``lax.ppermute``, or an all-gather over the cp axis
+of which each rank keeps the previous rank's block (the CPU backend's fallback, see module doc)."""
 
 # A product is (query slot, key slot, causal-diagonal mask?). Step cases: "diag" (own K/V),
 # "below" (source rank < own rank), "above" (source rank > own rank); non-causal has one case.
@@ -135,20 +152,36 @@ def _run_step(table, causal, rank, step, cp, fn, *operands):
                     *operands)
 
 
-def _topology(axis_name, isolated):
-    """The ring's size, this rank and the K/V hop to the next rank: from ``axis_name``
-    (``lax.ppermute``), or, for ``isolated = (cp, rank)``, the given ones (``rank=None``: the
-    rank from ``axis_name``) and a no-op hop."""
+def kv_rotation_for(pipelined: bool) -> str:
+    """The :data:`KV_ROTATIONS` entry a ring inside a model should use: ``"all_gather"`` on the
+    CPU backend when ``pipelined`` (the attention runs in a pipeline stage, whose collectives
+    other stages do not execute in step, see the module doc), else ``"ppermute"``."""
+    return "all_gather" if pipelined and jax.default_backend() == "cpu" else "ppermute"
+
+
+def _gather_hop(x, axis_name: str, rank, cp: int):
+    """The ``"all_gather"`` rotation: every rank gathers the cp axis's blocks and keeps rank
+    ``rank - 1``'s, the block ``lax.ppermute`` would have sent it (a pytree of arrays)."""
+    src = (rank - 1) % cp
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(lax.all_gather(a, axis_name), src, 0, keepdims=False), x)
+
+
+def _topology(axis_name, isolated, kv_rotation):
+    """The ring's size, this rank and the K/V hop to the next rank: from ``axis_name`` (by
+    ``kv_rotation``), or, for ``isolated = (cp, rank)``, the given ones (``rank=None``: the rank
+    from ``axis_name``) and a no-op hop."""
     if isolated is None:
-        cp = lax.axis_size(axis_name)
+        cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+        if kv_rotation == "all_gather":
+            return cp, rank, partial(_gather_hop, axis_name=axis_name, rank=rank, cp=cp)
         perm = [(i, (i + 1) % cp) for i in range(cp)]
-        return cp, lax.axis_index(axis_name), partial(lax.ppermute, axis_name=axis_name, perm=perm)
+        return cp, rank, partial(lax.ppermute, axis_name=axis_name, perm=perm)
     cp, rank = isolated
     return cp, lax.axis_index(axis_name) if rank is None else rank, lambda x: x
 
 
-def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated):
-    cp, rank, hop = _topology(axis_name, isolated)
+def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+    cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     qs = _split_seq(q, n_slots, 3)
@@ -202,8 +235,8 @@ def _backward_products(products, qs, dos, lses, deltas, scale, dq, k, v):
     return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
 
 
-def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale, isolated):
-    cp, rank, hop = _topology(axis_name, isolated)
+def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+    cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
@@ -238,21 +271,21 @@ def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scal
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _ring(q, k, v, axis_name, causal, load_balanced, scale, isolated):
-    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _ring(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale, isolated):
-    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated)
+def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
     out = out.astype(q.dtype)
     return out, (q, k, v, out, lse)
 
 
-def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, residuals, d_out):
+def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, residuals, d_out):
     q, k, v, out, lse = residuals
-    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale, isolated)
+    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -260,7 +293,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
                    load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
-                   _isolated: tuple[int, int | None] | None = None) -> jax.Array:
+                   kv_rotation: str = "ppermute", _isolated: tuple[int, int | None] | None = None) -> jax.Array:
     """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
     ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
 
@@ -269,7 +302,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     sequence is the rank's two chunks ``r`` and ``2cp-1-r`` concatenated (the batch reordered by
     :func:`core.context_parallel.load_balance.reorder_for_cp`), else the contiguous chunk ``r``.
     ``causal`` masks by global position. Scores, softmax and accumulators are float32 whatever
-    the input dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``.
+    the input dtype; ``scale`` defaults to ``1 / sqrt(head_dim)``. ``kv_rotation`` (one of
+    :data:`KV_ROTATIONS`) says how a block reaches the next rank: ``"ppermute"``, or
+    ``"all_gather"``, the CPU backend's fallback inside pipeline stages (module doc,
+    :func:`kv_rotation_for`); both give the same result. Raises ``ValueError`` for another value.
 
     ``_isolated = (cp, rank)`` is a benchmark hook (``bench/context_parallel.py``), not attention:
     it runs rank ``rank``'s schedule of a ring of ``cp`` with every K/V hop a no-op, so each step
@@ -277,6 +313,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     and no ``axis_name`` needed. ``(cp, None)`` inside ``shard_map``: every rank of ``axis_name``
     runs its own schedule, none communicates. The result's values are meaningless.
     """
+    if kv_rotation not in KV_ROTATIONS:
+        raise ValueError(f"kv_rotation must be one of {KV_ROTATIONS}, got {kv_rotation!r}")
     qg, k, v = to_grouped(q, k, v, layout, load_balanced)
-    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated)
+    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
+                kv_rotation)
     return from_grouped(out, layout)

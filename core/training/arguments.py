@@ -351,16 +351,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--context-parallel-size {cp} with --attention-dropout {args.attention_dropout} is not "
                             "supported yet: the context-parallel attention kernels have no dropout "
                             "(--hidden-dropout is supported)")
-    if args.cp_comm_type == "p2p" and args.pipeline_model_parallel_size > 1:
-        # XLA's CPU collective-permute rendezvouses every device of the program, not only the cp
-        # pairs: inside the pipeline executor's per-slot lax.cond (stages run their forwards in
-        # different slots) a ring step pairs with another stage's and exchanges the wrong K/V
-        # (wrong losses; a hang when a stage skips it). all_gather rendezvouses per cp group.
-        # Not checked on GPU, so refused everywhere for now.
-        raise ArgumentError(f"--context-parallel-size {cp} with --pipeline-model-parallel-size "
-                            f"{args.pipeline_model_parallel_size} and --cp-comm-type p2p is not supported yet (the "
-                            "ring's collective-permutes inside pipeline stages pair up across stages on the CPU "
-                            "backend); use --cp-comm-type all_gather")
     # Both comm types read the same load-balanced order: rank r holds chunks r and 2cp-1-r.
     if s % (2 * cp):
         raise ArgumentError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} "

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel import context_parallel_attention, cp_positions
+from core.context_parallel import context_parallel_attention, cp_positions, kv_rotation_for
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
-from core.parallel_state import CP_AXIS, TP_AXIS
+from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel import (
     ColumnParallelLinear,
@@ -266,9 +266,11 @@ class ParallelAttention(nn.Module):
             q, k = rotary(q), rotary(k)
         if cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
-            # the host); the kernel masks by global position and exchanges K/V over "cp".
+            # the host); the kernel masks by global position and exchanges K/V over "cp" (the ring
+            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for).
             out = context_parallel_attention(q, k, v, comm_type=cfg.cp_comm_type, axis_name=CP_AXIS,
-                                             causal=True, load_balanced=True, layout=layout)
+                                             causal=True, load_balanced=True, layout=layout,
+                                             kv_rotation=kv_rotation_for(_in_pipeline_stage()))
         else:
             keep = None
             if cfg.attention_dropout and ctx.dropout_seed is not None:
@@ -281,6 +283,15 @@ class ParallelAttention(nn.Module):
                                    sequence_parallel=cfg.sequence_parallel,
                                    init_method=_normal(output_init_std(cfg)), name="linear_proj")(out)
         return out
+
+
+def _in_pipeline_stage() -> bool:
+    """Whether this trace runs inside a ``shard_map`` whose pipeline axis has more than one stage
+    (the pipeline executor's stages do not run their collectives in step)."""
+    try:
+        return lax.axis_size(PP_AXIS) > 1
+    except NameError:  # not under a mesh with a pipeline axis
+        return False
 
 
 def output_init_std(config: GPTConfig) -> float:
