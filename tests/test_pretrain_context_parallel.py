@@ -46,18 +46,17 @@ def test_cp4_learned_positions_tied_embeddings(reference):
 # (tp, pp, extra flags) with the Llama-class model (rope, GQA, untied output, RMSNorm, SwiGLU).
 LLAMA_LAYOUTS = [
     (1, 1, ("--context-parallel-size", "2")),  # cp2 dp4
-    # cp2 pp2 dp2: pipelined, activations [s/cp, b, h]. The ring's K/V hops inside pipeline stages
-    # are all-gathers on the CPU backend (kv_rotation_for): a ppermute there hangs or pairs with
-    # another stage's.
-    (1, 2, ("--context-parallel-size", "2")),
+    # cp2 pp2 dp2: pipelined, activations [s/cp, b, h].
     (1, 2, ("--context-parallel-size", "2", "--cp-comm-type", "all_gather")),
-    # Interleaved: 4 chunks of one layer, each stage's two chunks in different slots.
+    # The p2p ring in pipeline stages, interleaved (4 chunks of one layer, each stage's two chunks in
+    # different slots; plain pp is the same code with one chunk). The ring's K/V hops inside pipeline
+    # stages are all-gathers on the CPU backend (kv_rotation_for): a ppermute there hangs or pairs
+    # with another stage's (tests/test_context_parallel_attention.py reproduces it).
     (1, 2, ("--context-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2")),
 ]
 
 
-@pytest.mark.parametrize("tp,pp,extra", LLAMA_LAYOUTS, ids=["cp2", "cp2-pp2-p2p", "cp2-pp2-all_gather",
-                                                            "cp2-pp2-vpp2-p2p"])
+@pytest.mark.parametrize("tp,pp,extra", LLAMA_LAYOUTS, ids=["cp2", "cp2-pp2-all_gather", "cp2-pp2-vpp2-p2p"])
 def test_llama_matches_single_device(llama_reference, tp, pp, extra):
     _assert_matches(layout_records(tp, pp, jax.devices(), ITERS, LLAMA + extra), llama_reference)
 

@@ -47,6 +47,8 @@ def test_dropout_is_layout_invariant(llama_reference):
 
 
 def test_llama_bf16_trains_close_to_fp32(llama_reference):
-    losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + ("--bf16", "--sequence-parallel"))
+    # tp2 pp2 cp2 with SP: bf16 through every sharded path, the context-parallel ring included.
+    losses = layout_losses(2, 2, jax.devices(), extra=LLAMA + ("--bf16", "--sequence-parallel",
+                                                               "--context-parallel-size", "2"))
     assert np.all(np.isfinite(losses))
     np.testing.assert_allclose(losses, llama_reference, rtol=3e-2)  # bf16 activations, fp32 params
