@@ -139,7 +139,8 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
     (MOE + ["--tensor-model-parallel-size", "2"], "MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
      "--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py"),
-    (MOE + ["--context-parallel-size", "2"], "MoE (--num-experts) with --context-parallel-size 2 is not supported yet"),
+    (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
+     "--expert-model-parallel-size 2 with --context-parallel-size 2 is not supported"),
     (MOE + ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
                                                     "alltoall"),
     (MOE + ["--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", "alltoall"],

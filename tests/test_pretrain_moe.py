@@ -102,3 +102,14 @@ def test_checkpoint_resumes_in_another_ep(tmp_path):
     second = trainer(4)
     assert second.load(str(tmp_path))
     np.testing.assert_allclose([second.step()["loss"] for _ in range(2)], expected, rtol=1e-4)
+
+
+def test_cp2_dp4_matches_single_device(reference):
+    # MoE with context parallelism (ep 1): each cp rank routes its load-balanced chunks, the router's
+    # counts are summed over cp, and expert grads are reduced over dp x cp (Megatron's expert-data-
+    # parallel group includes cp).
+    # The aux and z shares enter the objective times cp, as the LM loss's share does.
+    records = layout_records(1, 1, jax.devices(), ITERS, MOE + ("--context-parallel-size", "2"))
+    _assert_matches(records, reference)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_expert_load"):
+        np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)

@@ -316,9 +316,11 @@ def _validate_moe(args: argparse.Namespace, dp: int) -> int:
     if args.moe_router_enable_expert_bias:
         raise ArgumentError("--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py (the "
                             "bias update is not in the training step)")
-    if args.context_parallel_size > 1:
-        raise ArgumentError(f"MoE (--num-experts) with --context-parallel-size {args.context_parallel_size} is not "
-                            "supported yet (expert grads would miss the cp reduction)")
+    if args.context_parallel_size > 1 and ep > 1:
+        # Megatron's expert groups take ep from the ranks next to tp, across cp: not one mesh axis.
+        raise ArgumentError(f"--expert-model-parallel-size {ep} with --context-parallel-size "
+                            f"{args.context_parallel_size} is not supported (Megatron's expert-parallel groups "
+                            "cut across cp, which one device mesh cannot express); use one of the two")
     try:
         moe_config(args).validate(ep, args.tensor_model_parallel_size, args.sequence_parallel)
     except ValueError as e:

@@ -242,6 +242,3 @@ class GPTConfig:
                              "patterns (not supported yet: every chunk must have the same pattern)")
         if not any(pattern):
             raise ValueError(f"moe_layer_freq {freq if isinstance(freq, int) else list(freq)} makes no layer MoE")
-        if self.context_parallel_size > 1:
-            raise ValueError("MoE with context_parallel_size > 1 is not supported yet (expert grads are reduced "
-                             "over dp only, and the aux losses are not scaled for cp)")

@@ -172,7 +172,10 @@ class GPTModel:
                 x = out
         aux_loss = sum(a["aux_loss"].astype(jnp.float32) for a in auxes)
         z_loss = sum(a["z_loss"].astype(jnp.float32) for a in auxes)
-        stats = {"aux_loss": aux_loss, "z_loss": z_loss, "total": aux_loss + z_loss,
+        # The objective gets cp x this rank's share, as the LM loss does (language_model_loss: the
+        # data-parallel reduction averages the cp ranks' gradients).
+        cp = self.config.context_parallel_size
+        stats = {"aux_loss": aux_loss, "z_loss": z_loss, "total": (aux_loss + z_loss) * cp,
                  "tokens_per_expert": jnp.stack([a["tokens_per_expert"].astype(jnp.float32) for a in auxes])}
         return x, stats
 
@@ -230,9 +233,10 @@ class GPTModel:
     def moe_metrics(self, stats: list[dict]) -> dict:
         """Logged MoE values of one microbatch from :meth:`run_layers_moe`'s stats (in layer order):
         ``moe_aux_loss`` and ``moe_z_loss`` (summed over the MoE layers: what enters the objective),
-        and ``moe_tokens_per_expert`` ``[n_moe_layers, E]``, each summed over tp (the shares of a
-        sequence-parallel group add up to its loss); the trainer averages them over data parallelism."""
-        tp = lambda v: lax.psum(lax.stop_gradient(v), "tp")
+        and ``moe_tokens_per_expert`` ``[n_moe_layers, E]``, each summed over tp and cp (the shares of
+        the ranks that split a sequence add up to its loss); the trainer averages them over data
+        parallelism."""
+        tp = lambda v: lax.psum(lax.stop_gradient(v), ("tp", CP_AXIS))
         return {"moe_aux_loss": tp(sum(st["aux_loss"] for st in stats)),
                 "moe_z_loss": tp(sum(st["z_loss"] for st in stats)),
                 "moe_tokens_per_expert": tp(jnp.concatenate([st["tokens_per_expert"] for st in stats]))}
