@@ -368,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     workload = (f"GPT, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, global batch "
                 f"{a.global_batch} ({a.global_batch * a.seq} tokens per step); MoE: {a.experts} experts, top-{a.topk}, "
-                f"expert FFN {a.ffn}, every layer, dropless alltoall, grouped GEMM (ragged_dot); dense: FFN "
+                f"expert FFN {a.ffn}, every layer, dropless alltoall, grouped GEMM; dense: FFN "
                 f"{a.topk * a.ffn}; float32, Adam, {a.devices} simulated {jax.devices()[0].platform} devices in one "
                 f"process")
     print(workload, flush=True)

@@ -17,8 +17,15 @@ def _positive(x) -> bool:
 
 
 def test_quick_run_figures_and_report(tmp_path):
+    import jax
+
     out = tmp_path / "moe.md"
-    res = bench_moe.main(["--quick", "--out", str(out)])
+    # A smoke run: XLA's backend optimisations cost more compile time than these tiny programs run.
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        res = bench_moe.main(["--quick", "--out", str(out)])
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
 
     dense, *moe = res["steps"]
     assert (dense["model"], dense["ratio"]) == ("dense", 1.0)
