@@ -3,8 +3,8 @@ parameters at ep = 1, 2, 4, 8; the share of the step in token dispatch and combi
 expert computation as a grouped GEMM (``ragged_dot``) vs a per-expert loop vs a padded batched
 matmul.
 
-    python bench/moe.py            # ~6 min on 2 cores
-    python bench/moe.py --quick    # tiny sizes, one round (the test's smoke run, ~15 s)
+    python bench/moe.py            # ~7 min of CPU time on 2 cores (26 min with other jobs on them)
+    python bench/moe.py --quick    # tiny sizes, 2 devices, one round (~35 s of CPU time)
 
 One process, ``--devices`` (8) simulated CPU devices, float32.
 
