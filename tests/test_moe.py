@@ -421,7 +421,8 @@ def test_tensor_sequence_parallel_with_expert_parallel_equals_reference():
 
 
 def test_grouped_mlp_equals_sequential_loop():
-    """ragged_dot GroupedMLP == the per-expert loop, outputs and grads, with empty and padding groups."""
+    """GroupedMLP (on the CPU: blocked_ragged_dot) == the per-expert loop, outputs and grads, with
+    empty and padding groups."""
     state = _state(devices=1)
     rng = np.random.default_rng(3)
     rows = jnp.asarray(rng.normal(size=(20, H)), jnp.float32)
@@ -440,6 +441,34 @@ def test_grouped_mlp_equals_sequential_loop():
         outs.append(jax.jit(fn, compiler_options=FAST_COMPILE)(params, rows))
     for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         _close(got, want)
+
+
+@pytest.mark.parametrize("sizes,block", [((3, 0, 7, 2), None), ((3, 0, 7, 2), 2), ((0, 20, 0, 0), 4),
+                                         ((5, 5, 5, 5), 8), ((0, 0, 0, 0), None), ((1, 0, 0, 11), 3)])
+def test_blocked_ragged_dot_equals_ragged_dot(sizes, block):
+    """The CPU grouped GEMM == ``lax.ragged_dot``: outputs and the grads of both operands, with empty
+    groups, padding rows (zeros out), groups over several blocks and block sizes not dividing them."""
+    from jax import lax
+
+    from core.transformer.moe.grouped_gemm import blocked_ragged_dot, grouped_gemm
+
+    rng = np.random.default_rng(sum(sizes) + (block or 0))
+    lhs = jnp.asarray(rng.normal(size=(20, H)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(len(sizes), H, F)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(20, F)), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    outs = []
+    for dot in (functools.partial(blocked_ragged_dot, block=block), lax.ragged_dot):
+        def loss(x, w, dot=dot):
+            y = dot(x, w, gs)
+            return jnp.sum(y * cot), y
+        outs.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(lhs, rhs))
+    (_, got), grads = outs[0]
+    assert not np.any(np.asarray(got)[sum(sizes):])  # padding rows give zeros, as ragged_dot's
+    for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        _close(got, want)
+    # GroupedMLP's grouped GEMM is the blocked one on the CPU: no ragged_dot in its program.
+    assert "ragged_dot" not in str(jax.make_jaxpr(grouped_gemm)(lhs, rhs, gs))
 
 
 SGD = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)

@@ -1,4 +1,5 @@
-"""The routed experts: ``GroupedMLP`` (one ``jax.lax.ragged_dot`` over all local experts) and
+"""The routed experts: ``GroupedMLP`` (one grouped GEMM over all local experts: ``jax.lax.ragged_dot``,
+on the CPU a block-diagonal batched matmul, see :mod:`core.transformer.moe.grouped_gemm`) and
 ``SequentialMLP`` (a loop over the local experts), with the same parameters.
 
 Both take the rows the dispatcher grouped by local expert, ``rows [M, h]`` with
@@ -23,21 +24,15 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import gelu
 from core.tensor_parallel.layers import default_init_method
 from core.tensor_parallel.random import tensor_parallel_init
+from core.transformer.moe.grouped_gemm import group_ids, grouped_gemm
 
 EP_NAMES3 = ("ep", None, None)
 EP_NAMES2 = ("ep", None)
-
-
-def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """Local expert of each of ``num_rows`` grouped rows (``len(group_sizes)`` for padding rows)."""
-    return jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(num_rows, dtype=group_sizes.dtype),
-                            side="right").astype(jnp.int32)
 
 
 class _ExpertMLPBase(nn.Module):
@@ -86,7 +81,8 @@ class _ExpertMLPBase(nn.Module):
 
 
 class GroupedMLP(_ExpertMLPBase):
-    """All local experts as two grouped GEMMs (``jax.lax.ragged_dot``), Megatron's ``--moe-grouped-gemm``."""
+    """All local experts as two grouped GEMMs (:func:`~core.transformer.moe.grouped_gemm.grouped_gemm`),
+    Megatron's ``--moe-grouped-gemm``."""
 
     @nn.compact
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -96,10 +92,10 @@ class GroupedMLP(_ExpertMLPBase):
         gid = group_ids(gs, rows.shape[0])
         valid = (gid < self.num_local_experts)[:, None]
         safe = jnp.minimum(gid, self.num_local_experts - 1)
-        h = lax.ragged_dot(rows, w1.astype(rows.dtype), gs)
+        h = grouped_gemm(rows, w1.astype(rows.dtype), gs)
         if b1 is not None:
             h = h + jnp.where(valid, b1.astype(h.dtype)[safe], 0)
-        y = lax.ragged_dot(self._activation(h), w2.astype(rows.dtype), gs)
+        y = grouped_gemm(self._activation(h), w2.astype(rows.dtype), gs)
         if b2 is not None:
             y = y + jnp.where(valid, b2.astype(y.dtype)[safe], 0)
         return y

@@ -1,0 +1,53 @@
+"""``bench/moe.py --quick`` runs in one process on the suite's simulated devices and its figures
+are sane: positive, finite times, the ratios to the dense step and to the padded batched matmul
+present, dispatch + combine a share of the MoE layer below 1 (no timing assertions)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_moe", ROOT / "bench" / "moe.py")
+bench_moe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_moe)
+
+
+def _positive(x) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def test_quick_run_figures_and_report(tmp_path):
+    import jax
+
+    out = tmp_path / "moe.md"
+    # A smoke run: XLA's backend optimisations cost more compile time than these tiny programs run.
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        res = bench_moe.main(["--quick", "--out", str(out)])
+    finally:
+        jax.config.update("jax_disable_most_optimizations", False)
+
+    dense, *moe = res["steps"]
+    assert (dense["model"], dense["ratio"]) == ("dense", 1.0)
+    # --quick: 2 devices, ep 2 (no ragged_dot row: that one is at ep 1).
+    assert [(r["model"], r["ep"], r["dp"]) for r in moe] == [("moe, blocked grouped GEMM", 2, 1)]
+    for r in res["steps"]:
+        assert all(_positive(r[k]) for k in ("params", "step_s", "tokens_per_s", "ratio"))
+        assert math.isclose(r["tokens_per_s"] * r["step_s"], 4 * 32)  # global batch x seq
+    # 8 experts of FFN 32 (+ a router) against one FFN of 2 x 32: more parameters, same active ones.
+    assert moe[0]["params"] > dense["params"]
+
+    (d,) = res["dispatch"]
+    assert d["ep"] == 2 and all(_positive(d[k]) for k in ("layer_s", "router_s", "dispatch_combine_s", "experts_s"))
+    assert 0 < d["share_of_layer"] < 1 and _positive(d["share_of_step"])
+    assert d["share_of_step"] == res["dispatch_share_max_ep"]
+
+    gemm = {r["method"]: r for r in res["gemm"]}
+    assert set(gemm) == {"ragged_dot", "blocked_ragged_dot", "per-expert loop", "padded batched matmul"}
+    assert gemm["padded batched matmul"]["over_batched"] == 1.0
+    assert all(_positive(r["time_s"]) and _positive(r["gflops"]) and _positive(r["over_batched"]) for r in gemm.values())
+
+    text = out.read_text()
+    for heading in ("## 1. Training step", "## 2. Dispatch + combine", "## 3. Expert computation"):
+        assert heading in text
+    assert "| moe, blocked grouped GEMM | 2 | 1 |" in text and "| ragged_dot |" in text
