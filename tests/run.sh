@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command: both levels, each under a hard timeout so a failing rank can
 # never hang the run. Prints one summary line at the end; exits non-zero on any failure.
-#   level 1: one process, 8 simulated CPU devices (fast unit and equivalence tests)
+#   level 1: one process (per pytest-xdist worker), 8 simulated CPU devices (unit and equivalence tests)
 #   level 2: mpirun -n $MPI_NP (default 8) real processes, tests marked @pytest.mark.mpi
 # This is the CPU suite: it runs on the CPU backend even on a GPU host (the GPU set is
 # `pytest -m gpu tests`, see README "GPUs and clusters").
@@ -13,8 +13,13 @@ mkdir -p "$OUT"
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 
-echo "=== level 1: single process, 8 simulated devices"
-timeout --signal=KILL "${SINGLE_TIMEOUT:-2400}" python -m pytest -q -p no:randomly -m "not gpu" \
+# Two pytest-xdist workers (TEST_WORKERS) share level 1 file by file: most of its time is XLA
+# compiling small programs, one thread each, so a second worker uses the second core.
+WORKERS=${TEST_WORKERS:-2}
+XDIST=()
+if [ "$WORKERS" -gt 1 ] && python -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+echo "=== level 1: single process, 8 simulated devices (${WORKERS} workers)"
+timeout --signal=KILL "${SINGLE_TIMEOUT:-2400}" python -m pytest -q -p no:randomly -m "not gpu" "${XDIST[@]}" \
     --junitxml="$OUT/single.xml" "$@" tests
 rc1=$?
 
