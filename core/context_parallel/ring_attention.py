@@ -45,7 +45,8 @@ gradients summed back) in memory; only the ring's K/V stay ungrouped. A ``scale`
 ``1 / sqrt(head_dim)`` (the kernel's) is applied to q before the kernel, and to dq after.
 Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``) the block
 products are XLA einsums as before; on GPU that is XLA's own dot fusion, not cuDNN's fused
-attention. Both paths give the same results up to float rounding.
+attention (``jax.nn.dot_product_attention``'s backward cannot be given the ring's global output
+and LSE). Both paths give the same results up to float rounding.
 """
 
 from __future__ import annotations
