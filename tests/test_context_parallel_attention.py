@@ -5,6 +5,7 @@ One process, 8 simulated CPU devices; meshes of the first ``cp`` devices with th
 ``shard_map``, the output and its q/k/v gradients computed there, and the results un-reordered.
 """
 
+import importlib
 from functools import partial
 
 import jax
@@ -24,37 +25,42 @@ from core.context_parallel import (
     reorder_for_cp,
     restore_from_cp,
 )
+from core.fusions import fused_attention_available
+
+# The module, not the package's re-exported ring_attention function of the same name.
+ring_module = importlib.import_module("core.context_parallel.ring_attention")
 
 B, H, S, D = 2, 4, 64, 16
 
 
-def _reference(q, k, v, causal=True):
+def _reference(q, k, v, causal=True, scale=None):
     """Plain softmax attention on [b, heads, s, d] (K/V heads repeated for GQA), float32."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     group = q.shape[1] // k.shape[1]
     k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)
-    s = jnp.einsum("bnqd,bnkd->bnqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.einsum("bnqd,bnkd->bnqk", q, k) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if causal:
         n = q.shape[2]
         s = jnp.where(jnp.tril(jnp.ones((n, n), bool)), s, -jnp.inf)
     return jnp.einsum("bnqk,bnkd->bnqd", jax.nn.softmax(s, axis=-1), v)
 
 
-def _inputs(kv_heads=H, dtype=jnp.float32, seed=0):
+def _inputs(kv_heads=H, dtype=jnp.float32, seed=0, seq=S):
     keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (B, H, S, D), jnp.float32)
-    k = jax.random.normal(keys[1], (B, kv_heads, S, D), jnp.float32)
-    v = jax.random.normal(keys[2], (B, kv_heads, S, D), jnp.float32)
-    w = jax.random.normal(keys[3], (B, H, S, D), jnp.float32)  # cotangent of the output
+    q = jax.random.normal(keys[0], (B, H, seq, D), jnp.float32)
+    k = jax.random.normal(keys[1], (B, kv_heads, seq, D), jnp.float32)
+    v = jax.random.normal(keys[2], (B, kv_heads, seq, D), jnp.float32)
+    w = jax.random.normal(keys[3], (B, H, seq, D), jnp.float32)  # cotangent of the output
     return tuple(x.astype(dtype) for x in (q, k, v)) + (w,)
 
 
-def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False, kv_rotation="ppermute"):
+def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False, kv_rotation="ppermute",
+           scale=None):
     """Jitted shard_map: local output and q/k/v grads of sum(out * w), all split over cp."""
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     spec = P(None, None, "cp", None) if layout == "bnsd" else P(None, "cp", None, None)
     attn = partial(context_parallel_attention, comm_type=comm_type, causal=causal,
-                   load_balanced=load_balanced, layout=layout, kv_rotation=kv_rotation)
+                   load_balanced=load_balanced, layout=layout, kv_rotation=kv_rotation, scale=scale)
 
     def local(q, k, v, w):
         def loss(q, k, v):
@@ -68,18 +74,18 @@ def _cp_fn(cp, comm_type, load_balanced, causal, layout="bnsd", check_vma=False,
 
 
 def _run(cp, comm_type, load_balanced, causal=True, kv_heads=H, dtype=jnp.float32, layout="bnsd", check_vma=False,
-         kv_rotation="ppermute"):
-    q, k, v, w = _inputs(kv_heads, dtype)
+         kv_rotation="ppermute", seq=S, scale=None):
+    q, k, v, w = _inputs(kv_heads, dtype, seq=seq)
     seq_axis = 2 if layout == "bnsd" else 1
     prep = (lambda x: reorder_for_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
     post = (lambda x: restore_from_cp(x, cp, seq_axis=seq_axis)) if load_balanced else (lambda x: x)
     args = (q, k, v, w) if layout == "bnsd" else tuple(jnp.swapaxes(x, 1, 2) for x in (q, k, v, w))
-    outs = jax.jit(_cp_fn(cp, comm_type, load_balanced, causal, layout, check_vma, kv_rotation))(
+    outs = jax.jit(_cp_fn(cp, comm_type, load_balanced, causal, layout, check_vma, kv_rotation, scale))(
         *(prep(x) for x in args))
     outs = tuple(post(x) for x in outs)
     if layout == "bsnd":
         outs = tuple(jnp.swapaxes(x, 1, 2) for x in outs)
-    ref_out, vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal), q, k, v)
+    ref_out, vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, causal, scale), q, k, v)
     return outs, (ref_out, *vjp(w))
 
 
@@ -123,6 +129,32 @@ def test_all_gather_rotation_matches_full_causal_attention(cp, load_balanced):
     # The ring with each K/V hop done by an all-gather over "cp" (the CPU backend's rotation
     # inside pipeline stages): the same schedule, so the same result as plain attention.
     _assert_close(*_run(cp, "p2p", load_balanced, kv_heads=2, kv_rotation="all_gather"), atol=1e-5)
+
+
+@pytest.mark.skipif(not fused_attention_available(), reason="no C++ compiler: einsum block products only")
+@pytest.mark.parametrize("cp,kv_heads,scale", [(2, 2, 0.3), (4, H, None)])
+def test_ring_block_products_use_the_cpu_kernel(cp, kv_heads, scale, monkeypatch):
+    # 128 tokens: load-balanced chunks of 32 at cp 2, of 16 (the kernel's smallest) at cp 4.
+    # Diagonal blocks run the causal kernel, full ones the unmasked kernel (forward, and backward
+    # with the global out/LSE); the einsum path gives the same values and grads.
+    q, k, v, _ = _inputs(kv_heads, seq=128)
+    assert ring_module.kernel_block(jnp.zeros((B, kv_heads, H // kv_heads, 128 // (2 * cp), D)), k, v) == 128 // (2 * cp)
+    jaxpr = str(jax.make_jaxpr(_cp_fn(cp, "p2p", True, True, scale=scale))(q, k, v, q))
+    assert "mcj_attention_forward" in jaxpr and "mcj_attention_backward" in jaxpr
+    outs, refs = _run(cp, "p2p", True, kv_heads=kv_heads, seq=128, scale=scale)
+    _assert_close(outs, refs, atol=2e-5)
+    monkeypatch.setattr(ring_module, "fused_attention_available", lambda: False)
+    assert "mcj_attention" not in str(jax.make_jaxpr(_cp_fn(cp, "p2p", True, True, scale=scale))(q, k, v, q))
+    _assert_close(outs, _run(cp, "p2p", True, kv_heads=kv_heads, seq=128, scale=scale)[0], atol=2e-5)
+
+
+def test_ring_kernel_only_on_cpu_float32_multiples_of_16(monkeypatch):
+    q, k = jnp.zeros((1, 2, 2, 32, 16)), jnp.zeros((1, 2, 64, 16))
+    assert ring_module.kernel_block(q, k, k) in (None, 32)  # None: kernel not built here
+    assert ring_module.kernel_block(q[..., :24, :], k, k) is None
+    assert ring_module.kernel_block(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16)) is None
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # XLA's einsums off the CPU backend
+    assert ring_module.kernel_block(q, k, k) is None
 
 
 def test_kv_rotation_is_all_gather_only_on_cpu_inside_pipeline_stages(monkeypatch):
@@ -256,36 +288,45 @@ def _sub_jaxprs(params):
                 yield item.jaxpr
 
 
-def _dots(jaxpr) -> int:
-    """dot_general equations in ``jaxpr`` and every sub-jaxpr (scan bodies, cond branches)."""
+def _dots(jaxpr, primitive="dot_general") -> int:
+    """``primitive`` equations (dot_general: einsums; ffi_call: CPU kernel calls) in ``jaxpr`` and
+    every sub-jaxpr (scan bodies, cond branches)."""
     count = 0
     for eqn in jaxpr.eqns:
-        count += eqn.primitive.name == "dot_general"
+        count += eqn.primitive.name == primitive
         for sub in _sub_jaxprs(eqn.params):
-            count += _dots(sub)
+            count += _dots(sub, primitive)
     return count
 
 
-def _cond_branch_dots(jaxpr) -> list[list[int]]:
-    """Per ``cond`` equation (at any depth), the dot_general count of each branch."""
+def _cond_branch_dots(jaxpr, primitive="dot_general") -> list[list[int]]:
+    """Per ``cond`` equation (at any depth), the ``primitive`` count of each branch."""
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "cond":
-            found.append([_dots(b.jaxpr) for b in eqn.params["branches"]])
+            found.append([_dots(b.jaxpr, primitive) for b in eqn.params["branches"]])
         for sub in _sub_jaxprs(eqn.params):
-            found += _cond_branch_dots(sub)
+            found += _cond_branch_dots(sub, primitive)
     return found
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("load_balanced", [True, False])
-def test_skipped_blocks_not_computed(load_balanced):
-    # The forward ring's per-step lax.cond: with load balancing both cases run two chunk products
-    # (2 dots each); without, "below" runs one and "above" (entirely in the future) none.
+def test_skipped_blocks_not_computed(load_balanced, kernel, monkeypatch):
+    # The forward ring's per-step lax.cond: with load balancing both cases run two chunk products;
+    # without, "below" runs one and "above" (entirely in the future) none. A product is two
+    # dot_generals with einsums, one ffi_call with the CPU kernel (128 tokens: chunks of 16+).
+    if kernel and not fused_attention_available():
+        pytest.skip("no C++ compiler: einsum block products only")
+    if not kernel:
+        monkeypatch.setattr(ring_module, "fused_attention_available", lambda: False)
     cp = 4
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     spec = P(None, None, "cp", None)
     fn = jax.shard_map(partial(context_parallel_attention, load_balanced=load_balanced), mesh=mesh,
                        in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    q, k, v, _ = _inputs()
-    branches = _cond_branch_dots(jax.make_jaxpr(fn)(q, k, v).jaxpr)
-    assert branches and all(sorted(b) == ([4, 4] if load_balanced else [0, 2]) for b in branches)
+    q, k, v, _ = _inputs(seq=128)
+    per_product = 1 if kernel else 2
+    branches = _cond_branch_dots(jax.make_jaxpr(fn)(q, k, v).jaxpr, "ffi_call" if kernel else "dot_general")
+    want = [2 * per_product, 2 * per_product] if load_balanced else [0, per_product]
+    assert branches and all(sorted(b) == want for b in branches)

@@ -1,5 +1,7 @@
-"""The C++ causal attention kernel (XLA FFI, CPU) equals plain masked softmax attention: values
-and gradients within fp32 rounding (1e-5); the XLA path where it does not apply."""
+"""The C++ attention kernel (XLA FFI, CPU) equals plain softmax attention, causal-masked or not:
+values and gradients within fp32 rounding (1e-5); the XLA path where it does not apply."""
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -9,17 +11,23 @@ import pytest
 import core.models.gpt.causal_attention as attention_module
 from core.fusions import fused_attention_available, fused_causal_attention
 from core.fusions.cpu_kernels import SOURCE_DIR, compile_kernel
-from core.fusions.fused_attention import fused_attention_block
+from core.fusions.fused_attention import (
+    fused_attention,
+    fused_attention_backward,
+    fused_attention_block,
+    fused_attention_forward,
+)
 from core.models.gpt.causal_attention import causal_attention
 
 needs_kernel = pytest.mark.skipif(not fused_attention_available(), reason="no C++ compiler: XLA fallback only")
 
 
-def reference_attention(q, k, v):
-    """Materialised ``softmax(Q K^T / sqrt(d) + causal mask) V`` over any leading dims."""
+def reference_attention(q, k, v, causal=True):
+    """Materialised ``softmax(Q K^T / sqrt(d) (+ causal mask)) V`` over any leading dims."""
     s, d = q.shape[-2:]
     scores = jnp.einsum("...qd,...kd->...qk", q, k) / jnp.sqrt(float(d))
-    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    if causal:
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
     return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(scores, axis=-1), v)
 
 
@@ -54,6 +62,44 @@ def test_kernel_matches_reference(shape, block):
                                reference_attention(q, k, v), rtol=1e-5, atol=1e-5)
     _assert_close(_value_and_grads(lambda q, k, v: fused_causal_attention(q, k, v, block), q, k, v),
                   _value_and_grads(reference_attention, q, k, v))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape,block", [((2, 3, 96, 32), 32), ((1, 2, 16, 16), 16)])
+def test_non_causal_kernel_matches_reference(shape, block):
+    q, k, v = _inputs(shape, seed=1)
+    attention = lambda q, k, v: fused_attention(q, k, v, block, causal=False)
+    np.testing.assert_allclose(jax.jit(attention)(q, k, v), reference_attention(q, k, v, causal=False),
+                               rtol=1e-5, atol=1e-5)
+    _assert_close(_value_and_grads(attention, q, k, v),
+                  _value_and_grads(lambda q, k, v: reference_attention(q, k, v, causal=False), q, k, v))
+
+
+@needs_kernel
+@pytest.mark.parametrize("causal", [True, False])
+def test_blockwise_backward_with_the_whole_out_and_lse_sums_to_the_whole_gradients(causal):
+    # Ring attention's use: queries at positions 32..63 against keys 0..63 in two blocks, the
+    # earlier one unmasked, the own one ``causal`` or not. Each block's kernel backward, given the
+    # whole attention's output and LSE, is that block's share: dK/dV its keys', dQ a summand.
+    (q, k2, v2), (k1, v1, d_out) = _inputs((2, 2, 32, 16), seed=2), _inputs((2, 2, 32, 16), seed=3)
+    kk, vv = jnp.concatenate([k1, k2], axis=-2), jnp.concatenate([v1, v2], axis=-2)
+    visible = (not causal) | (jnp.arange(64)[None] <= jnp.arange(32, 64)[:, None])
+    scores = lambda q, kk: jnp.where(visible, jnp.einsum("...qd,...kd->...qk", q, kk) / 4.0, -jnp.inf)
+    whole = lambda q, kk, vv: jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(scores(q, kk), axis=-1), vv)
+    out, vjp = jax.vjp(whole, q, kk, vv)
+    lse = jax.nn.logsumexp(scores(q, kk), axis=-1)
+    backward = jax.jit(fused_attention_backward, static_argnums=(6, 7))
+    dq1, dk1, dv1 = backward(q, k1, v1, out, lse, d_out, 16, False)
+    dq2, dk2, dv2 = backward(q, k2, v2, out, lse, d_out, 32, causal)
+    want_dq, want_dk, want_dv = vjp(d_out)
+    close = partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-4)
+    close(dq1 + dq2, want_dq)
+    close(jnp.concatenate([dk1, dk2], axis=-2), want_dk)
+    close(jnp.concatenate([dv1, dv2], axis=-2), want_dv)
+    # The forward's per-block LSEs combine to the whole one.
+    (_, lse1), (_, lse2) = (fused_attention_forward(q, k1, v1, 16, False),
+                            fused_attention_forward(q, k2, v2, 16, causal))
+    close(jnp.logaddexp(lse1, lse2), lse)
 
 
 @needs_kernel

@@ -32,6 +32,21 @@ a hang or wrong K/V. ``"all_gather"`` does each hop with ``lax.all_gather`` over
 values and schedule, but every hop moves ``cp - 1`` blocks to each rank instead of one and
 holds ``cp`` blocks for the hop. :func:`kv_rotation_for` picks it on the CPU backend inside
 pipeline stages only.
+
+Block products (:func:`kernel_block`). On the CPU backend, with float32 inputs, chunk length
+and head dim multiples of 16 and the C++ attention kernel built
+(``core/fusions/fused_attention.py``), each block product is one kernel call: causal for a
+diagonal block, unmasked for a full one; its (output, LSE) merge like the einsum path's. The
+backward calls the kernel's backward per block with the ring's global output and LSE, which
+gives exactly that block's share of the gradients (``D = rowsum(dO * O)`` and
+``P = exp(S - LSE)`` are the global ones). The kernel wants K/V with the queries' shape, so
+with grouped-query attention a block's K/V heads are repeated to the group (and their
+gradients summed back) in memory; only the ring's K/V stay ungrouped. A ``scale`` other than
+``1 / sqrt(head_dim)`` (the kernel's) is applied to q before the kernel, and to dq after.
+Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``) the block
+products are XLA einsums as before; on GPU that is XLA's own dot fusion, not cuDNN's fused
+attention (``jax.nn.dot_product_attention``'s backward cannot be given the ring's global output
+and LSE). Both paths give the same results up to float rounding.
 """
 
 from __future__ import annotations
@@ -43,6 +58,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from core.context_parallel._inputs import default_scale, from_grouped, to_grouped
+from core.fusions.fused_attention import (
+    fused_attention_available,
+    fused_attention_backward,
+    fused_attention_block,
+    fused_attention_forward,
+)
 
 _F32 = jnp.float32
 
@@ -125,6 +146,44 @@ def _block_forward(q, k, v, diag: bool, scale: float):
     return out, (m + jnp.log(total))[..., 0]
 
 
+def kernel_block(q_chunk: jax.Array, k: jax.Array, v: jax.Array) -> int | None:
+    """The CPU attention kernel's block size for the ring's block products of the query chunk
+    ``q_chunk: [b, h, g, c, d]`` (one slot) against ``k, v: [b, h, *, d]``, or None where the
+    products stay XLA einsums: not the CPU backend, not all float32, ``c`` or ``d`` not a
+    multiple of 16, or the kernel unavailable (module doc)."""
+    if jax.default_backend() != "cpu" or not q_chunk.dtype == k.dtype == v.dtype:
+        return None
+    block = fused_attention_block(q_chunk, q_chunk, q_chunk)
+    return block if block is not None and fused_attention_available() else None
+
+
+def _to_query_heads(x: jax.Array, group: int) -> jax.Array:
+    """K/V ``[b, h, c, d]`` repeated to the queries' ``[b, h, group, c, d]`` (the kernel's shape)."""
+    return jnp.broadcast_to(x[:, :, None], (x.shape[0], x.shape[1], group, *x.shape[2:]))
+
+
+def _kernel_q(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
+    """q rescaled so the kernel's ``1 / sqrt(d)`` gives ``scale``, and the factor (1.0: q as is)."""
+    factor = scale / default_scale(q, None)
+    return (q if factor == 1.0 else q * factor), factor
+
+
+def _kernel_block_forward(q, k, v, diag: bool, scale: float, block: int):
+    """:func:`_block_forward` with the CPU kernel: causal for a diagonal block, else unmasked."""
+    group = q.shape[2]
+    q, _ = _kernel_q(q, scale)
+    return fused_attention_forward(q, _to_query_heads(k, group), _to_query_heads(v, group), block, diag)
+
+
+def _kernel_block_backward(q, k, v, do, out, lse, diag: bool, scale: float, block: int):
+    """:func:`_block_backward` with the CPU kernel, given the global output and LSE of q's rows."""
+    group = q.shape[2]
+    q, factor = _kernel_q(q, scale)
+    dq, dk, dv = fused_attention_backward(q, _to_query_heads(k, group), _to_query_heads(v, group), out, lse, do,
+                                          block, diag)
+    return (dq if factor == 1.0 else dq * factor), jnp.sum(dk, axis=2), jnp.sum(dv, axis=2)
+
+
 def _merge(acc, block):
     """Online-softmax merge of a block's (output, LSE) into the accumulator's."""
     out, lse = acc
@@ -133,11 +192,17 @@ def _merge(acc, block):
     return out * jnp.exp(lse - new)[..., None] + b_out * jnp.exp(b_lse - new)[..., None], new
 
 
-def _forward_products(products, qs, k, v, acc, scale):
+def _forward_products(products, qs, k, v, acc, scale, block):
+    """The block products of one ring step merged into the accumulators (``block``: the CPU
+    kernel's block size, or None for einsums)."""
     ks, vs = _split_seq(k, len(qs), 2), _split_seq(v, len(qs), 2)
     acc = list(acc)
     for qi, ki, diag in products:
-        acc[qi] = _merge(acc[qi], _block_forward(qs[qi], ks[ki], vs[ki], diag, scale))
+        if block is None:
+            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale)
+        else:
+            b_out = _kernel_block_forward(qs[qi], ks[ki], vs[ki], diag, scale, block)
+        acc[qi] = _merge(acc[qi], b_out)
     return tuple(acc)
 
 
@@ -186,7 +251,7 @@ def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv
     table = _SCHEDULES[(causal, load_balanced)]
     qs = _split_seq(q, n_slots, 3)
     acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
-    step_fn = partial(_forward_products, scale=scale)
+    step_fn = partial(_forward_products, scale=scale, block=kernel_block(qs[0], k, v))
 
     def compute(step, kv, acc):
         return _run_step(table, causal, rank, step, cp, lambda prods, a, kk, vv: step_fn(prods, qs, kk, vv, a),
@@ -220,15 +285,20 @@ def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
     return dq, dk, dv
 
 
-def _backward_products(products, qs, dos, lses, deltas, scale, dq, k, v):
-    """Block gradients of one ring step: dq accumulated locally, this step's dK/dV (float32) returned."""
+def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v):
+    """Block gradients of one ring step: dq accumulated locally, this step's dK/dV (float32)
+    returned (``block``: the CPU kernel's block size, or None for einsums)."""
     n = len(qs)
     ks, vs = _split_seq(k, n, 2), _split_seq(v, n, 2)
     dq = list(dq)
     dks = [jnp.zeros(x.shape, _F32) for x in ks]
     dvs = [jnp.zeros(x.shape, _F32) for x in vs]
     for qi, ki, diag in products:
-        g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale)
+        if block is None:
+            g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale)
+        else:
+            g_q, g_k, g_v = _kernel_block_backward(qs[qi], ks[ki], vs[ki], dos[qi], outs[qi], lses[qi], diag,
+                                                   scale, block)
         dq[qi] = dq[qi] + g_q
         dks[ki] = dks[ki] + g_k
         dvs[ki] = dvs[ki] + g_v
@@ -239,10 +309,16 @@ def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scal
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
-    delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
     qs, dos = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3)
-    lses, deltas = _split_seq(lse, n_slots, 3), _split_seq(delta, n_slots, 3)
-    step_fn = partial(_backward_products, qs=qs, dos=dos, lses=lses, deltas=deltas, scale=scale)
+    block = kernel_block(qs[0], k, v)
+    if block is None:
+        delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
+        outs, deltas = None, _split_seq(delta, n_slots, 3)
+    else:  # the kernel computes rowsum(dO * O) itself from the global output
+        outs, deltas = _split_seq(out, n_slots, 3), None
+    lses = _split_seq(lse, n_slots, 3)
+    step_fn = partial(_backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
+                      block=block)
 
     def compute(step, kv, dq):
         return _run_step(table, causal, rank, step, cp, lambda prods, g, kk, vv: step_fn(prods, dq=g, k=kk, v=vv),

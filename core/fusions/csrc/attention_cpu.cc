@@ -1,11 +1,13 @@
-// Causal softmax attention on float32 [pairs, seq, head_dim] (one (batch, head) pair per
-// leading index), forward and backward, as XLA FFI handlers for the CPU backend
-// (core/fusions/fused_attention.py builds and registers them).
+// Softmax attention on float32 [pairs, seq, head_dim] (one (batch, head) pair per leading
+// index), causal or not (the ``causal`` attribute), forward and backward, as XLA FFI handlers
+// for the CPU backend (core/fusions/fused_attention.py builds and registers them).
 //
 // Flash attention's algorithm, one pair at a time so its working set (a [block, seq] score
 // tile, K and V transposed) stays in cache: the forward keeps only the output and the row
-// log-sum-exp, the backward recomputes P = exp(S - lse) per query block, and query block i only
-// meets key blocks 0..i. The matmuls use register-tiled micro-kernels (the accumulator tile
+// log-sum-exp, the backward recomputes P = exp(S - lse) per query block, and with ``causal`` query
+// block i only meets key blocks 0..i (else every key block). The backward's D = rowsum(dO * O)
+// and P come from the given O and lse, so with the O and lse of a larger attention (ring
+// attention's global ones) it returns this key range's share of that attention's gradients. The matmuls use register-tiled micro-kernels (the accumulator tile
 // lives in vector registers, one operand broadcast, the other streamed) instead of BLAS calls:
 // the tiles are too small for a BLAS's packing to pay off. Pairs are spread over XLA's
 // intra-op thread pool. Every pair is computed in a fixed order, so results are deterministic.
@@ -186,12 +188,13 @@ void Scores(const float* q, const float* kt, int64_t seq, int64_t d, int64_t i0,
   Gemm(block, end, d, q + i0 * d, d, 1, kt, seq, scale, s, end, false);
 }
 
-// Exponentiates row r of s (length end) as exp(s - shift[r]) over its causal prefix, zero after.
+// Exponentiates row r of s (length end) as exp(s - shift[r]) over its causal prefix (with
+// ``causal``, else the whole row), zero after.
 template <typename Row>
-void CausalExp(float* s, int64_t i0, int64_t block, int64_t end, Row shift) {
+void MaskedExp(float* s, int64_t i0, int64_t block, int64_t end, bool causal, Row shift) {
   for (int64_t r = 0; r < block; ++r) {
     float* row = s + r * end;
-    const int64_t valid = i0 + r + 1;
+    const int64_t valid = causal ? i0 + r + 1 : end;
     const float m = shift(r, row, valid);
     int64_t c = 0;
     for (; c + kLanes <= valid; c += kLanes) Store(row + c, Exp(Load(row + c) - m));
@@ -206,17 +209,17 @@ void CausalExp(float* s, int64_t i0, int64_t block, int64_t end, Row shift) {
 }
 
 void ForwardPair(const float* q, const float* k, const float* v, float* o, float* lse, int64_t seq, int64_t d,
-                 int64_t block) {
+                 int64_t block, bool causal) {
   Scratch& w = ThreadScratch();
   w.Size(seq, d, block);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
   Transpose(k, seq, d, w.kt.data());
   for (int64_t i0 = 0; i0 < seq; i0 += block) {
-    const int64_t end = i0 + block;
+    const int64_t end = causal ? i0 + block : seq;
     float* s = w.s.data();
     Scores(q, w.kt.data(), seq, d, i0, block, end, scale, s);
     float* max = w.delta.data();  // row maxima, reused below as the row sums' reciprocals
-    CausalExp(s, i0, block, end, [&](int64_t r, const float* row, int64_t valid) {
+    MaskedExp(s, i0, block, end, causal, [&](int64_t r, const float* row, int64_t valid) {
       return max[r] = RowMax(row, valid);
     });
     for (int64_t r = 0; r < block; ++r) {
@@ -234,7 +237,7 @@ void ForwardPair(const float* q, const float* k, const float* v, float* o, float
 }
 
 void BackwardPair(const float* q, const float* k, const float* v, const float* o, const float* lse, const float* dout,
-                  float* dq, float* dk, float* dv, int64_t seq, int64_t d, int64_t block) {
+                  float* dq, float* dk, float* dv, int64_t seq, int64_t d, int64_t block, bool causal) {
   Scratch& w = ThreadScratch();
   w.Size(seq, d, block);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));
@@ -245,14 +248,15 @@ void BackwardPair(const float* q, const float* k, const float* v, const float* o
     for (int64_t c = 0; c < d; c += kLanes) acc += Load(dout + r * d + c) * Load(o + r * d + c);
     w.delta[r] = Sum(acc);
   }
-  // Last query block first: it meets every key, so its dK/dV products initialise all rows.
+  // Last query block first: it meets every key (causal or not), so its dK/dV products
+  // initialise all rows.
   for (int64_t i0 = seq - block; i0 >= 0; i0 -= block) {
     const bool first = i0 == seq - block;
-    const int64_t end = i0 + block;
+    const int64_t end = causal ? i0 + block : seq;
     float *p = w.s.data(), *dp = w.dp.data();
     const float* dout_i = dout + i0 * d;
     Scores(q, w.kt.data(), seq, d, i0, block, end, scale, p);
-    CausalExp(p, i0, block, end, [&](int64_t r, const float*, int64_t) { return lse[i0 + r]; });
+    MaskedExp(p, i0, block, end, causal, [&](int64_t r, const float*, int64_t) { return lse[i0 + r]; });
     Gemm(end, d, block, p, 1, end, dout_i, d, 1.f, dv, d, !first);            // dV += P^T dO
     Gemm(block, end, d, dout_i, d, 1, w.vt.data(), seq, 1.f, dp, end, false);  // dP = dO V^T
     for (int64_t r = 0; r < block; ++r) {                                    // dS = P (dP - delta) scale
@@ -314,14 +318,14 @@ ffi::Error Check(const ffi::Buffer<ffi::F32>& q, const ffi::Buffer<ffi::F32>& k,
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse, int64_t block) {
+                   ffi::ResultBuffer<ffi::F32> o, ffi::ResultBuffer<ffi::F32> lse, int64_t block, int64_t causal) {
   Shape shape;
   if (ffi::Error error = Check(q, k, v, block, shape); error.failure()) return error;
   const auto [pairs, seq, d] = shape;
   ParallelFor(pool, pairs, [&, seq = seq, d = d](int64_t i) {
     const int64_t off = i * seq * d;
     ForwardPair(q.typed_data() + off, k.typed_data() + off, v.typed_data() + off, o->typed_data() + off,
-                lse->typed_data() + i * seq, seq, d, block);
+                lse->typed_data() + i * seq, seq, d, block, causal != 0);
   });
   return ffi::Error::Success();
 }
@@ -329,7 +333,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                     ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
                     ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk, ffi::ResultBuffer<ffi::F32> dv,
-                    int64_t block) {
+                    int64_t block, int64_t causal) {
   Shape shape;
   if (ffi::Error error = Check(q, k, v, block, shape); error.failure()) return error;
   const auto [pairs, seq, d] = shape;
@@ -337,7 +341,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<f
     const int64_t off = i * seq * d;
     BackwardPair(q.typed_data() + off, k.typed_data() + off, v.typed_data() + off, o.typed_data() + off,
                  lse.typed_data() + i * seq, dout.typed_data() + off, dq->typed_data() + off,
-                 dk->typed_data() + off, dv->typed_data() + off, seq, d, block);
+                 dk->typed_data() + off, dv->typed_data() + off, seq, d, block, causal != 0);
   });
   return ffi::Error::Success();
 }
@@ -352,7 +356,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionForward, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("block"));
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("causal"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBackward, Backward,
                               ffi::Ffi::Bind()
@@ -366,4 +371,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AttentionBackward, Backward,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("block"));
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("causal"));
