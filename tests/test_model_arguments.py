@@ -157,10 +157,17 @@ def test_moe_flags_refused(flags, message):
     _assert_refused(flags, message)
 
 
-def test_moe_layer_freq_that_is_not_a_number_or_list_exits_2():
+@pytest.mark.parametrize("text", ["every other", "__import__('os').getpid()", "[1]*(10**9)", "[1.5,0]", "2+"])
+def test_moe_layer_freq_that_is_not_a_number_or_list_exits_2(text):
     with pytest.raises(SystemExit) as err:
-        parse_args(["--moe-layer-freq", "every other"])
+        parse_args(["--moe-layer-freq", text])
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize("text,value", [("2", 2), ("[1,0,1,1]", (1, 0, 1, 1)), ("([1]*3+[0]*1)*2", (1, 1, 1, 0) * 2),
+                                        ("[0]+[1]*3", (0, 1, 1, 1))])
+def test_moe_layer_freq_accepts_megatrons_forms(text, value):
+    assert parse_args(["--moe-layer-freq", text]).moe_layer_freq == value
 
 
 def test_moe_flags_map_onto_the_config():

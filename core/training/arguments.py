@@ -274,14 +274,36 @@ MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_ro
 """The MoE flags besides ``--num-experts`` (None when not given)."""
 
 
+def _list_expression(node):
+    """Value of an expression of int literals, lists, ``+`` and ``*`` (Megatron evaluates
+    ``--moe-layer-freq`` strings such as ``([1]*3+[0])*2`` with Python's ``eval``; nothing else
+    is evaluated here)."""
+    import ast
+
+    if isinstance(node, ast.Expression):
+        return _list_expression(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_list_expression(e) for e in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_expression(node.left), _list_expression(node.right)
+        if isinstance(node.op, ast.Mult) and max(abs(v) for v in (left, right) if isinstance(v, int)) > 1 << 16:
+            raise ValueError("repeat count too large")
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    raise ValueError(f"unsupported expression {type(node).__name__}")
+
+
 def _moe_layer_freq(text: str) -> int | tuple[int, ...]:
-    """``--moe-layer-freq``: an int, or a Python list literal of 0/1 per layer (as Megatron accepts)."""
+    """``--moe-layer-freq``: an int, or a list of 0/1 per layer, written out or as Megatron's list
+    expression (``([1]*3+[0]*1)*2``)."""
     import ast
 
     try:
-        value = ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"expected an int or a list like [0,1,1,1], got {text!r}") from None
+        value = _list_expression(ast.parse(text.strip(), mode="eval"))
+    except (ValueError, SyntaxError, TypeError):
+        raise argparse.ArgumentTypeError(f"expected an int or a list like [0,1,1,1] or ([1]*3+[0])*2, got "
+                                         f"{text!r}") from None
     if isinstance(value, int) and not isinstance(value, bool):
         return value
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
