@@ -208,28 +208,42 @@ def cp_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> list
 
 
 def longest_within(total_at: Callable[[int], int], seqs: Sequence[int], budget: float, granule: int,
-                   max_moves: int = 8) -> tuple[int, bool]:
-    """The longest multiple of ``granule`` whose ``total_at(seq)`` fits ``budget`` bytes, and whether it
-    was confirmed (the next multiple does not fit). Starts from a quadratic fit of the totals at
-    ``seqs`` (relative residuals) and moves a granule at a time, at most ``max_moves`` times."""
+                   max_seq: int = 1 << 21) -> tuple[int, bool]:
+    """The longest multiple of ``granule`` (up to ``max_seq``) whose ``total_at(seq)`` fits ``budget``
+    bytes, and whether it was confirmed (the next multiple does not fit). Starts from a quadratic
+    fit of the totals at ``seqs`` (relative residuals; the flash kernel's totals are about linear,
+    so the fit's root can lie far out or nowhere: the guess is clamped), then brackets the
+    boundary with steps doubling from one granule and bisects it."""
     import numpy as np
 
+    fits = lambda seq: total_at(seq) <= budget
     totals = np.array([total_at(s) for s in seqs], dtype=float)
     coef = np.polyfit(np.array(seqs, dtype=float), totals, min(2, len(seqs) - 1), w=1 / totals)
     coef[-1] -= budget  # the fit's roots are where it crosses the budget
     roots = [r.real for r in np.roots(coef) if abs(r.imag) < 1e-9 and r.real > 0]
-    seq = max(granule, int(max(roots, default=granule) // granule) * granule)
-    for _ in range(max_moves):
-        if total_at(seq) <= budget or seq == granule:
-            break
-        seq -= granule
-    if total_at(seq) > budget:
-        return 0, True
-    for _ in range(max_moves):
-        if total_at(seq + granule) > budget:
-            return seq, True
-        seq += granule
-    return seq, False
+    guess = int(min(max(roots, default=max(seqs)), max_seq) // granule) * granule
+    guess = max(granule, guess)
+    if not fits(guess):  # bracket [lo fits, hi does not] around the guess, steps doubling
+        hi, step = guess, granule
+        lo = guess - step
+        while lo > granule and not fits(lo):
+            hi, step = lo, step * 2
+            lo = max(granule, hi - step)
+        if not fits(lo):
+            return 0, True
+    else:
+        lo, step = guess, granule
+        while True:
+            if lo >= max_seq:
+                return lo, False
+            hi = min(max_seq, lo + step)
+            if not fits(hi):
+                break
+            lo, step = hi, step * 2
+    while hi - lo > granule:  # bisect on multiples of the granule
+        mid = (lo + hi) // 2 // granule * granule
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, True
 
 
 def seq_rows(programs: Programs, seqs: Sequence[int], cps: Sequence[int], budget: float, granule: int

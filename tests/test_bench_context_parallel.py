@@ -59,3 +59,7 @@ def test_longest_within_steps_to_the_exact_multiple():
     step = lambda s: s * s + (10**7 if s > 1000 else 0)
     assert bench_cp.longest_within(step, [400, 800, 1600], budget=1500 ** 2, granule=100) == (1000, True)
     assert bench_cp.longest_within(lambda s: s, [10, 20], budget=5, granule=10) == (0, True)
+    # Linear totals (the flash kernel's): the fit's root is far from the data, found by bracketing.
+    assert bench_cp.longest_within(lambda s: 4 * s + 7, [16, 32, 64], budget=4 * 65536 + 7, granule=16) == \
+        (65536, True)
+    assert bench_cp.longest_within(lambda s: s, [16, 32], budget=1e30, granule=16, max_seq=4096) == (4096, False)
