@@ -289,15 +289,19 @@ def _remove_incomplete_steps(directory: str) -> None:
 
 def _snapshot(state: Any) -> Any:
     """A copy of ``state`` that the caller's later updates cannot touch: every ``jax.Array`` is
-    copied on its devices (dispatched, not waited for: a training step may donate the original
-    buffers right after), numpy arrays on the host; other leaves are immutable."""
-    def copy(leaf: Any) -> Any:
-        if isinstance(leaf, jax.Array):
-            return jax.device_put(leaf, may_alias=False)
-        if isinstance(leaf, np.ndarray):
-            return leaf.copy()
-        return leaf
-    return jax.tree.map(copy, state)
+    copied on its devices, shard by shard (each process its own: no collective), dispatched in
+    one call and not waited for (a training step may donate the original buffers right
+    after); numpy arrays are copied on the host; other leaves are immutable."""
+    leaves, treedef = jax.tree.flatten(state)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    shards = [[s.data for s in leaves[i].addressable_shards] for i in arrays]
+    flat = [x for group in shards for x in group]
+    copies = iter(jax.device_put(flat, [next(iter(x.devices())) for x in flat], may_alias=False))
+    out = [leaf.copy() if isinstance(leaf, np.ndarray) else leaf for leaf in leaves]
+    for i, group in zip(arrays, shards):
+        leaf = leaves[i]
+        out[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [next(copies) for _ in group])
+    return jax.tree.unflatten(treedef, out)
 
 
 def _remove_old_steps(directory: str, max_to_keep: int | None) -> None:
