@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -287,20 +288,22 @@ def _remove_incomplete_steps(directory: str) -> None:
     _barrier(_unique_key("remove_incomplete"))
 
 
+@jax.jit
+def _copy_arrays(arrays: list[jax.Array]) -> list[jax.Array]:
+    # A real copy into new buffers (an output that is just an input would be forwarded).
+    return [jnp.copy(x) for x in arrays]
+
+
 def _snapshot(state: Any) -> Any:
-    """A copy of ``state`` that the caller's later updates cannot touch: every ``jax.Array`` is
-    copied on its devices, shard by shard (each process its own: no collective), dispatched in
-    one call and not waited for (a training step may donate the original buffers right
-    after); numpy arrays are copied on the host; other leaves are immutable."""
+    """A copy of ``state`` that the caller's later updates cannot touch: the ``jax.Array``
+    leaves are copied on their devices by one jitted program, dispatched and not waited for
+    (a training step may donate the original buffers right after; the copy is ordered before
+    it); numpy arrays are copied on the host; other leaves are immutable."""
     leaves, treedef = jax.tree.flatten(state)
     arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-    shards = [[s.data for s in leaves[i].addressable_shards] for i in arrays]
-    flat = [x for group in shards for x in group]
-    copies = iter(jax.device_put(flat, [next(iter(x.devices())) for x in flat], may_alias=False))
     out = [leaf.copy() if isinstance(leaf, np.ndarray) else leaf for leaf in leaves]
-    for i, group in zip(arrays, shards):
-        leaf = leaves[i]
-        out[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, [next(copies) for _ in group])
+    for i, copy in zip(arrays, _copy_arrays([leaves[i] for i in arrays])):
+        out[i] = copy
     return jax.tree.unflatten(treedef, out)
 
 
