@@ -350,6 +350,10 @@ def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_ke
                 os.makedirs(os.path.join(tmp, item))
 
     def write() -> None:
+        # Wait here for the snapshot's copy program: the host transfers orbax starts next then
+        # never hold one of XLA's CPU threads waiting for a buffer (with in-process collectives
+        # a held thread can starve a training step's rendezvous).
+        jax.block_until_ready(state)
         handler.save(epath.Path(tmp) / STATE_ITEM, args=ocp.args.StandardSave(state))
         if jax.process_index() == 0:
             ocp.JsonCheckpointHandler().save(epath.Path(tmp) / META_ITEM, args=ocp.args.JsonSave(metadata))
