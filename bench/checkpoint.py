@@ -15,9 +15,9 @@ and measures, side by side in one run:
   shardings and re-cut the distributed optimizer's shards), median of ``--reps``;
 * **async stall**: ``--steps`` training steps with an ``--async-save`` save issued before them,
   minus the same steps without a save (medians over ``--reps`` rounds, alternated), as a share of
-  one step: the time the training loop loses to a background save (the blocking part, the host
-  copy, plus the slowdown of the steps that share the cores with the writer thread). The
-  blocking part alone is reported too.
+  one step: the time the training loop loses to a background save (the blocking part, which
+  dispatches the gather and an on-device copy, plus the slowdown of the steps that share the
+  cores, and the GIL, with the writer thread). The blocking part alone is reported too.
 
 Prints a table and writes ``bench/results/checkpoint.md`` (``--out``).
 """

@@ -6,15 +6,17 @@ Megatron's ``save_checkpoint``)::
     <directory>/<step>/state/   the pytree (StandardCheckpointHandler, OCDBT; each process
                                 writes only its own shards)
     <directory>/<step>/meta/    a JSON-able dict (iteration, consumed samples, layout, seed...)
+    <directory>/<step>/integrity.json  size and CRC-32 of every other file of the step
     <directory>/<step>/commit_success.txt
-    <directory>/<step>/integrity.json  size and CRC-32 of every file, written after the commit
 
-Atomicity comes from orbax: a save writes ``<step>.orbax-checkpoint-tmp-*``, writes the commit
-marker ``commit_success.txt`` into it and only then renames it to ``<step>``. This module counts
-a step as complete only when the marker is there, because orbax itself (on a local filesystem)
-trusts any directory named like a step. Without this, a half-copied step directory would be
-reported as the latest checkpoint and, worse, counted by orbax's ``max_to_keep`` garbage
-collection, which could then delete the last good checkpoint.
+The files are orbax's (its handlers write and read them), the save's sequence is this module's:
+every process writes its shards into ``<step>.orbax-checkpoint-tmp-<n>``; once all have, process
+0 merges the per-process indexes, writes ``integrity.json`` and the commit marker
+``commit_success.txt`` into it and only then renames it to ``<step>``. A step counts as
+complete only when the marker is there, so a half-copied step directory is never reported as
+the latest checkpoint nor counted by the ``max_to_keep`` retention (which could then delete the
+last good checkpoint). With ``async_save`` all of this runs in a background thread; its
+barriers use the coordination service, never a device collective.
 
 Restores go straight into the requested shardings, so a checkpoint written with one mesh
 layout can be read into any other sharding of the same global shapes. Shapes and the tree
@@ -28,15 +30,18 @@ steps, naming the damaged file, so a resume falls back to the previous intact ch
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import shutil
+import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -52,7 +57,7 @@ META_ITEM = "meta"
 # stores, into the final dir as the very last write).
 COMMIT_MARKER = "commit_success.txt"
 DEFAULT_MAX_TO_KEEP = 2
-# Size and CRC-32 of every file of a step, written by process 0 once the step is committed.
+# Size and CRC-32 of every file of a step, written by process 0 right before the commit marker.
 INTEGRITY_FILE = "integrity.json"
 
 
@@ -146,9 +151,7 @@ def verify_checkpoint(directory: str | os.PathLike, step: int) -> str | None:
     return None
 
 
-def latest_valid_step(directory: str | os.PathLike) -> tuple[int | None, list[str]]:
-    """The newest complete step whose files are intact (None if none), and one line for each
-    newer complete step skipped because a file is damaged."""
+def _find_latest_valid(directory: str | os.PathLike) -> tuple[int | None, list[str]]:
     skipped = []
     for step in reversed(complete_steps(directory)):
         problem = verify_checkpoint(directory, step)
@@ -156,6 +159,17 @@ def latest_valid_step(directory: str | os.PathLike) -> tuple[int | None, list[st
             return step, skipped
         skipped.append(f"checkpoint step {step} skipped: {problem}")
     return None, skipped
+
+
+def latest_valid_step(directory: str | os.PathLike) -> tuple[int | None, list[str]]:
+    """The newest complete step whose files are intact (None if none), and one line for each
+    newer complete step skipped because a file is damaged.
+
+    Collective when there are several processes: process 0 alone reads and checksums the
+    files and hands its answer to the others (through the coordination service), so every
+    process resumes from the same step at the cost of one read of the checkpoint."""
+    step, skipped = _from_process_0("latest_valid_step", lambda: _find_latest_valid(directory))
+    return step, list(skipped)
 
 
 def why_nothing_to_load(directory: str | os.PathLike) -> str | None:
@@ -206,33 +220,190 @@ def load_metadata(directory: str | os.PathLike, step: int | None = None) -> dict
 # ---------------------------------------------------------------------------------------
 
 
-def _barrier(name: str) -> None:
+# Barriers and broadcasts go through the jax.distributed client's coordination service (its
+# barrier and key-value store), never through a device collective: the background writer runs
+# them while the main thread dispatches training steps, whose collectives must be issued in
+# the same order on every process.
+_COORDINATION_TIMEOUT_MS = 3600 * 1000
+_collective_ids = itertools.count()  # every process makes the same collective calls in the same order
+
+
+def _unique_key(name: str) -> str:
+    """A coordination-service key no other call of this run uses (``name``: no slashes)."""
+    return f"megatron_core_jax/checkpointing/{next(_collective_ids)}/{name}"
+
+
+def _barrier(key: str) -> None:
+    """Wait for every process at ``key`` (unique per call: from :func:`_unique_key`)."""
     if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
+        ocp.multihost.get_barrier_sync_fn()(key=key, timeout_ms=_COORDINATION_TIMEOUT_MS)
+
+
+def _from_process_0(name: str, compute: Callable[[], Any]) -> Any:
+    """``compute()`` run on process 0 only, its (JSON-able) result handed to every process.
+    An exception on process 0 is raised on every process (as ``OSError`` on the others)."""
+    if jax.process_count() == 1:
+        return compute()
+    client = ocp.multihost.get_jax_distributed_client()
+    key = _unique_key(name)
+    if jax.process_index() == 0:
+        try:
+            value = compute()
+        except Exception as e:
+            client.key_value_set(key, json.dumps({"error": f"{type(e).__name__}: {e}"}))
+            raise
+        client.key_value_set(key, json.dumps({"value": value}))
+        return value
+    answer = json.loads(client.blocking_key_value_get(key, _COORDINATION_TIMEOUT_MS))
+    if "error" in answer:
+        raise OSError(f"process 0 failed: {answer['error']}")
+    return answer["value"]
+
+
+_TMP_INFIX = ".orbax-checkpoint-tmp-"  # orbax's name for a step being written, kept for old runs
+
+
+def _leftover_tmp_dirs(directory: str) -> list[str]:
+    """Directories of saves that never committed (``<step>.orbax-checkpoint-tmp-*``)."""
+    if not os.path.isdir(directory):
+        return []
+    return [os.path.join(directory, name) for name in os.listdir(directory)
+            if _TMP_INFIX in name and name.split(_TMP_INFIX)[0].isdigit()]
 
 
 def _remove_incomplete_steps(directory: str) -> None:
-    """Delete step dirs without a commit marker (process 0), then wait for every process.
+    """Delete step dirs without a commit marker and tmp dirs of interrupted saves (process 0),
+    then wait for every process.
 
-    Orbax treats them as real checkpoints, so left in place they would make ``save`` refuse
-    that step and take a slot in ``max_to_keep`` (evicting a good checkpoint).
+    Step dirs without a marker would make a later save of that step fail and, counted as
+    checkpoints, evict a good one from ``max_to_keep``.
     """
     if jax.process_index() == 0:
+        os.makedirs(directory, exist_ok=True)
         for path in _incomplete_step_dirs(directory):
             logger.warning("removing incomplete checkpoint %s (no %s)", path, COMMIT_MARKER)
             shutil.rmtree(path)
-    _barrier(f"checkpointing:remove_incomplete:{directory}")
+        for path in _leftover_tmp_dirs(directory):
+            shutil.rmtree(path, ignore_errors=True)
+    _barrier(_unique_key("remove_incomplete"))
+
+
+@jax.jit
+def _copy_arrays(arrays: list[jax.Array]) -> list[jax.Array]:
+    # A real copy into new buffers (an output that is just an input would be forwarded).
+    return [jnp.copy(x) for x in arrays]
+
+
+def _snapshot(state: Any) -> Any:
+    """A copy of ``state`` that the caller's later updates cannot touch: the ``jax.Array``
+    leaves are copied on their devices by one jitted program, dispatched and not waited for
+    (a training step may donate the original buffers right after; the copy is ordered before
+    it); numpy arrays are copied on the host; other leaves are immutable."""
+    leaves, treedef = jax.tree.flatten(state)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    out = [leaf.copy() if isinstance(leaf, np.ndarray) else leaf for leaf in leaves]
+    for i, copy in zip(arrays, _copy_arrays([leaves[i] for i in arrays])):
+        out[i] = copy
+    return jax.tree.unflatten(treedef, out)
+
+
+def _remove_old_steps(directory: str, max_to_keep: int | None) -> None:
+    """Delete all but the newest ``max_to_keep`` complete steps, each renamed to a tmp name
+    first so that a kill mid-delete never leaves a marked step with missing files."""
+    if max_to_keep is None:
+        return
+    steps = complete_steps(directory)
+    for step in steps[:max(len(steps) - max_to_keep, 0)]:
+        doomed = os.path.join(directory, f"{step}{_TMP_INFIX}deleted")
+        os.rename(_step_dir(directory, step), doomed)
+        shutil.rmtree(doomed)
+
+
+def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_keep: int | None,
+                save_id: int) -> None:
+    """Write and commit one step (every process; the body of a save, in the background with
+    ``--async-save``). Each process writes its shards into the tmp dir; once all are done
+    process 0 merges the per-process indexes, records the integrity file, writes the commit
+    marker, renames the tmp dir to the step and drops old steps; then every process returns.
+    A failure on any process is raised on every process, and nothing is committed."""
+    tmp = os.path.join(directory, f"{step}{_TMP_INFIX}{save_id}")
+    key = f"megatron_core_jax/checkpointing/save-{save_id}"
+    multi = jax.process_count() > 1
+    client = ocp.multihost.get_jax_distributed_client() if multi else None
+    error: BaseException | None = None
+    handler = ocp.StandardCheckpointHandler()
+
+    def attempt(action: Callable[[], None]) -> None:
+        nonlocal error
+        if error is not None:
+            return
+        try:
+            action()
+        except Exception as e:
+            error = e
+            if multi:
+                client.key_value_set(f"{key}/error/{jax.process_index()}", f"{type(e).__name__}: {e}")
+
+    def create() -> None:
+        if jax.process_index() == 0:
+            for item in (STATE_ITEM, META_ITEM):
+                os.makedirs(os.path.join(tmp, item))
+
+    def write() -> None:
+        # Wait here for the snapshot's copy program: the host transfers orbax starts next then
+        # never hold one of XLA's CPU threads waiting for a buffer (with in-process collectives
+        # a held thread can starve a training step's rendezvous).
+        jax.block_until_ready(state)
+        handler.save(epath.Path(tmp) / STATE_ITEM, args=ocp.args.StandardSave(state))
+        if jax.process_index() == 0:
+            ocp.JsonCheckpointHandler().save(epath.Path(tmp) / META_ITEM, args=ocp.args.JsonSave(metadata))
+
+    attempt(create)
+    _barrier(f"{key}/created")
+    if multi and error is None and client.key_value_dir_get(f"{key}/error/"):
+        error = OSError("process 0 could not create the checkpoint's directory")
+    attempt(write)
+    _barrier(f"{key}/written")
+    if jax.process_index() == 0:
+        try:
+            others = client.key_value_dir_get(f"{key}/error/") if multi else []
+            if error is None and others:
+                raise OSError(f"process {others[0][0].rsplit('/', 1)[-1]} failed: {others[0][1]}")
+            if error is None:
+                handler.finalize(epath.Path(tmp) / STATE_ITEM)
+                _write_integrity(tmp)
+                with open(os.path.join(tmp, COMMIT_MARKER), "w") as f:
+                    f.write(f"checkpoint step {step} committed")
+                os.rename(tmp, _step_dir(directory, step))
+                _remove_old_steps(directory, max_to_keep)
+        except Exception as e:
+            error = error or e
+        if multi:
+            client.key_value_set(f"{key}/outcome", "" if error is None else f"{type(error).__name__}: {error}")
+    _barrier(f"{key}/committed")
+    if error is not None:
+        raise error
+    if multi and jax.process_index() != 0:
+        outcome = client.blocking_key_value_get(f"{key}/outcome", _COORDINATION_TIMEOUT_MS)
+        if outcome:
+            raise OSError(f"checkpoint step {step} not committed: process 0: {outcome}")
 
 
 class CheckpointSaver:
-    """The saves of one checkpoint directory, synchronous or asynchronous (orbax's async
-    checkpointing: :meth:`save` returns once the arrays are copied to host memory, and the files
-    are written by a background thread while training goes on).
+    """The saves of one checkpoint directory, synchronous or asynchronous.
+
+    Asynchronous (``async_save``): :meth:`save` only dispatches an on-device copy of the arrays
+    (so the next training step may update or donate the originals) and hands the copy to a
+    background thread, which copies it to the host, writes the files, commits the step and
+    records its integrity file while training goes on. Synchronous: the same work, waited for.
 
     At most one save is in flight: the next :meth:`save` (or :meth:`wait`, :meth:`close`) first
-    waits for it. Saves stay atomic (orbax writes a tmp directory and renames it after the commit
-    marker); a process killed mid-save leaves the previous checkpoints intact. Collective: every
-    process calls every method with the same arguments.
+    waits for it and raises the error it met, if any. Saves are atomic: each process writes its
+    shards into ``<step>.orbax-checkpoint-tmp-<n>``; process 0 writes ``integrity.json`` and the
+    commit marker into it and renames it to ``<step>`` only after every process has written; a
+    process killed mid-save leaves the previous checkpoints intact. Collective: every process
+    calls every method with the same arguments; the background threads of the processes meet
+    only at the coordination service's barriers and key-value store.
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = DEFAULT_MAX_TO_KEEP,
@@ -242,28 +413,15 @@ class CheckpointSaver:
         self.max_to_keep = max_to_keep
         """Newest checkpoints kept (None keeps all)."""
         self.async_save = async_save
-        """Write in the background (:meth:`save` returns after the device-to-host copy)."""
-        self._manager: ocp.CheckpointManager | None = None
-        self._pending: int | None = None
-
-    def _open(self) -> ocp.CheckpointManager:
-        if self._manager is None:
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=self.max_to_keep,
-                create=True,
-                # Tmp dirs of interrupted saves are never read back; clear them out.
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=self.async_save,
-            )
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
-        return self._manager
+        """Write in the background (:meth:`save` returns after dispatching an on-device copy)."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def save(self, step: int, state: Any, metadata: dict) -> None:
         """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and
         ``metadata`` as ``step``. Synchronous: returns once the checkpoint is committed.
-        Asynchronous: returns once the values are on the host; the commit follows in the
-        background. Raises ``ValueError`` if ``step`` is not newer than the latest complete
-        checkpoint (orbax would otherwise skip the save silently, or keep the wrong ones)."""
+        Asynchronous: returns at once; the commit follows in the background. Raises
+        ``ValueError`` if ``step`` is not newer than the latest complete checkpoint."""
         self.wait()
         last = latest_step(self.directory)
         if last is not None and step <= last:
@@ -271,33 +429,39 @@ class CheckpointSaver:
                 f"cannot save step {step} in {self.directory!r}: it is not newer than the latest checkpoint {last}"
             )
         _remove_incomplete_steps(self.directory)
-        args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(state),
-                                     META_ITEM: ocp.args.JsonSave(metadata)})
-        # force: we already enforced "newer than latest"; never let save_interval policies skip it.
-        if not self._open().save(step, args=args, force=True):
-            raise RuntimeError(f"orbax did not save step {step} in {self.directory!r}")
-        self._pending = step
+        snapshot = _snapshot(state)
+        metadata = json.loads(json.dumps(metadata))
+        save_id = next(_collective_ids)
         if not self.async_save:
-            self.wait()
+            _write_step(self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
+            return
+        self._thread = threading.Thread(target=self._write_in_background, name=f"checkpoint-save-{step}",
+                                        args=(step, snapshot, metadata, save_id), daemon=True)
+        self._thread.start()
+
+    def _write_in_background(self, step: int, state: Any, metadata: dict, save_id: int) -> None:
+        try:
+            _write_step(self.directory, step, state, metadata, self.max_to_keep, save_id)
+        except BaseException as e:  # raised on the main thread by wait()
+            self._error = e
 
     def wait(self) -> None:
-        """Wait for the save in flight (if any) to be committed, then record its files' sizes
-        and checksums (``integrity.json``)."""
-        if self._pending is None:
+        """Wait for the save in flight (if any) to be committed; raise its error, if it failed
+        (``OSError`` or ``ValueError`` as the write reported it; another kind wrapped in
+        ``OSError``)."""
+        if self._thread is None:
             return
-        step, self._pending = self._pending, None
-        self._manager.wait_until_finished()
-        _barrier(f"checkpointing:saved:{self.directory}:{step}")
-        if jax.process_index() == 0:
-            _write_integrity(_step_dir(self.directory, step))
-        _barrier(f"checkpointing:integrity:{self.directory}:{step}")
+        self._thread.join()
+        self._thread, error, self._error = None, self._error, None
+        if error is None:
+            return
+        if isinstance(error, (OSError, ValueError)):
+            raise error
+        raise OSError(f"{type(error).__name__}: {error}") from error
 
     def close(self) -> None:
-        """Wait for the save in flight and release orbax's manager."""
+        """Wait for the save in flight (raising its error, if any)."""
         self.wait()
-        if self._manager is not None:
-            self._manager.close()
-            self._manager = None
 
 
 def save_checkpoint(

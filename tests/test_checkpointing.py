@@ -1,18 +1,23 @@
 """core.checkpointing in one process with 8 simulated devices: round trips, resharding on
 restore, clear errors, retention and crash safety."""
 
+import itertools
 import os
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from core import checkpointing
 from core.checkpointing import (
     COMMIT_MARKER,
+    CheckpointSaver,
     complete_steps,
     latest_step,
     latest_valid_step,
@@ -292,3 +297,122 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_used(ckdir, how):
                  if f != "integrity.json"), key=os.path.getsize), how)
     step, skipped = latest_valid_step(ckdir)
     assert step is None and len(skipped) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Asynchronous saves: the background writer
+
+
+def test_async_save_survives_donation_of_the_saved_arrays(ckdir):
+    """An async save returns before the files are written; the next step may donate (delete)
+    the saved arrays right away, and the checkpoint still holds the values of the save."""
+    values, shardings = _values(3), _shardings_saved()
+    state = _put(values, shardings)
+    saver = CheckpointSaver(ckdir, async_save=True)
+    saver.save(3, state, {**META, "iteration": 3})
+    donate = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
+    jax.block_until_ready(donate(state["params"]))
+    assert state["params"]["w"].is_deleted()
+    saver.close()
+    assert complete_steps(ckdir) == [3] and verify_checkpoint(ckdir, 3) is None
+    restored, meta = restore_checkpoint(ckdir, 3, _abstract(values, shardings))
+    _assert_state(restored, values, shardings)
+    assert meta["iteration"] == 3
+
+
+class _FailingHandler(ocp.StandardCheckpointHandler):
+    error: Exception = OSError("No space left on device")
+
+    def save(self, directory, *args, **kwargs):
+        raise self.error
+
+
+@pytest.mark.parametrize("error,expected", [(OSError("No space left on device"), "No space left"),
+                                            (RuntimeError("tensorstore broke"), "RuntimeError: tensorstore broke")])
+def test_async_write_error_is_raised_by_the_next_save_and_nothing_is_committed(ckdir, monkeypatch, error, expected):
+    _save(ckdir, 1)
+    saver = CheckpointSaver(ckdir, async_save=True)
+    monkeypatch.setattr(_FailingHandler, "error", error)
+    monkeypatch.setattr(checkpointing.ocp, "StandardCheckpointHandler", _FailingHandler)
+    saver.save(2, _put(_values(2), _shardings_saved()), {"iteration": 2})  # returns: the write is in the background
+    with pytest.raises(OSError, match=expected):
+        saver.save(3, _put(_values(3), _shardings_saved()), {"iteration": 3})
+    assert complete_steps(ckdir) == [1]
+    saver.close()  # the error was reported once
+    monkeypatch.undo()
+    _save(ckdir, 4)  # the next save clears the failed one's tmp dir
+    assert sorted(os.listdir(ckdir)) == ["1", "4"]
+
+
+def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
+    """A save returns while its write goes on, the next save joins it first, close() joins the last."""
+    write, active, seen = checkpointing._write_step, [], []
+
+    def slow_write(*args):
+        active.append(args[1])
+        seen.append(list(active))
+        time.sleep(0.3)
+        write(*args)
+        active.remove(args[1])
+
+    monkeypatch.setattr(checkpointing, "_write_step", slow_write)
+    saver = CheckpointSaver(ckdir, max_to_keep=None, async_save=True)
+    for step in (1, 2, 3):
+        saver.save(step, _put(_values(step), _shardings_saved()), {"iteration": step})
+        assert complete_steps(ckdir) == list(range(1, step))  # this one is still being written
+    saver.close()
+    assert seen == [[1], [2], [3]] and not active
+    assert complete_steps(ckdir) == [1, 2, 3] and all(verify_checkpoint(ckdir, s) is None for s in (1, 2, 3))
+
+
+# ---------------------------------------------------------------------------------------
+# Several processes: process 0 decides where to resume
+
+
+class _FakeCoordinationClient:
+    """The key-value store of the jax.distributed client, in memory."""
+
+    def __init__(self):
+        self.store = {}
+
+    def key_value_set(self, key, value):
+        assert key not in self.store, f"key {key} set twice"
+        self.store[key] = value
+
+    def blocking_key_value_get(self, key, timeout_ms):
+        return self.store[key]
+
+
+def _as_process(monkeypatch, client, index):
+    monkeypatch.setattr(checkpointing.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(checkpointing.jax, "process_index", lambda: index)
+    monkeypatch.setattr(checkpointing.ocp.multihost, "get_jax_distributed_client", lambda: client)
+    monkeypatch.setattr(checkpointing, "_collective_ids", itertools.count(100))  # the same call on each process
+
+
+def test_latest_valid_step_is_decided_by_process_0_alone(ckdir, monkeypatch):
+    for step in (1, 2):
+        _save(ckdir, step)
+    _damage(max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(ckdir, "2")) for f in fs),
+                key=os.path.getsize), "flip")
+    client = _FakeCoordinationClient()
+    _as_process(monkeypatch, client, 0)
+    answer = latest_valid_step(ckdir)
+    assert answer[0] == 1 and answer[1][0].startswith("checkpoint step 2 skipped")
+    assert len(client.store) == 1
+    # Process 1 reads no file (its view could even differ): it takes process 0's answer.
+    _as_process(monkeypatch, client, 1)
+    monkeypatch.setattr(checkpointing, "_crc32", lambda path: pytest.fail("process 1 checksummed a file"))
+    shutil.rmtree(os.path.join(ckdir, "1"))
+    assert latest_valid_step(ckdir) == answer
+
+
+def test_an_error_on_process_0_reaches_the_others(ckdir, monkeypatch):
+    client = _FakeCoordinationClient()
+    _as_process(monkeypatch, client, 0)
+    monkeypatch.setattr(checkpointing, "complete_steps", lambda d: [1 / 0])
+    with pytest.raises(ZeroDivisionError):
+        latest_valid_step(ckdir)
+    _as_process(monkeypatch, client, 1)
+    with pytest.raises(OSError, match="process 0 failed: ZeroDivisionError"):
+        latest_valid_step(ckdir)

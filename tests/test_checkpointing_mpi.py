@@ -13,8 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from core.checkpointing import (
     COMMIT_MARKER,
+    CheckpointSaver,
     complete_steps,
     latest_step,
+    latest_valid_step,
     load_metadata,
     restore_checkpoint,
     save_checkpoint,
@@ -97,3 +99,37 @@ def test_incomplete_step_and_retention_across_processes(shared_dir):
     restored, meta = restore_checkpoint(shared_dir, 2, target)
     _check_local(restored["w"], _global((8, 16), 2), target["w"].sharding)
     assert meta == {"iteration": 2}
+
+
+def test_async_saves_commit_in_the_background_and_process_0_picks_the_resume_step(shared_dir):
+    """Async saves on 8 processes while every process keeps dispatching collectives (the
+    writers' barriers must not interleave with them), then a damaged newest step: every
+    process gets process 0's answer."""
+    from mpi4py import MPI
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    total = jax.jit(lambda a: a.sum(), out_shardings=NamedSharding(mesh, P()))
+    saver = CheckpointSaver(shared_dir, max_to_keep=2, async_save=True)
+    for step in (1, 2, 3):
+        w = _make(_global((8, 16), step), sharding)
+        saver.save(step, {"w": w}, {"iteration": step})
+        for _ in range(5):  # cross-process collectives while the save is in flight
+            assert np.isclose(float(total(w)), _global((8, 16), step).sum(), rtol=1e-5)
+    saver.close()
+    assert complete_steps(shared_dir) == [2, 3]
+    assert latest_valid_step(shared_dir) == (3, [])
+    target = {"w": jax.ShapeDtypeStruct((8, 16), np.float32, sharding=NamedSharding(mesh, P(None, "x")))}
+    restored, meta = restore_checkpoint(shared_dir, 3, target)
+    _check_local(restored["w"], _global((8, 16), 3), target["w"].sharding)
+    assert meta == {"iteration": 3}
+    if jax.process_index() == 0:  # damage the newest step: truncate its biggest file
+        step_dir = os.path.join(shared_dir, "3")
+        biggest = max((os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if f != "integrity.json"),
+                      key=os.path.getsize)
+        with open(biggest, "r+b") as f:
+            f.truncate(os.path.getsize(biggest) // 2)
+    MPI.COMM_WORLD.barrier()
+    step, skipped = latest_valid_step(shared_dir)
+    assert step == 2 and len(skipped) == 1 and "truncated" in skipped[0]
+    assert MPI.COMM_WORLD.allgather((step, skipped)) == [(step, skipped)] * 8

@@ -453,8 +453,9 @@ class Pretrainer:
         """Checkpoint params, optimizer state, data position, seed and iteration (atomic). The
         optimizer state is stored in the layout-independent form
         (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`). With
-        ``--async-save`` this returns once the values are on the host (the previous save, if
-        still in flight, is waited for first); :meth:`finish_saving` waits for the last one.
+        ``--async-save`` this returns once an on-device copy of the values is dispatched (the
+        previous save, if still in flight, is waited for first, and its error raised); a
+        background thread writes and commits; :meth:`finish_saving` waits for the last one.
         Raises :class:`TrainingError` when the directory cannot be written (earlier checkpoints
         stay intact)."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
