@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
-from core.pipeline_parallel.table_driven import forward_backward_table_driven
+from core.pipeline_parallel.table_driven import execute_stages, forward_backward_table_driven
 from core.pipeline_parallel.timeline import build_timeline
 
 H, MB = 4, 2
@@ -58,6 +58,73 @@ def test_table_driven_equals_non_pipelined(pp, dp, mult, vpp):
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5, atol=1e-6)
     for k in ("w", "b"):
         np.testing.assert_allclose(g[k], want_g[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("forward_only", [False, True])
+def test_stage_metrics_sum_every_virtual_stage(pp, vpp, forward_only):
+    # Each virtual stage reports its output's sum in its own row of a [pp * vpp] vector (and in a
+    # scalar): per microbatch, on every rank, the rows are each stage's value and the scalar their sum.
+    # The losses and grads are those of the run without stage metrics.
+    m, nvs = 2 * pp, pp * vpp
+    state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
+    rng = np.random.default_rng(pp + 10 * vpp)
+    params = {"w": rng.normal(size=(pp, vpp, H, H)).astype(np.float32) / 2,
+              "b": rng.normal(size=(pp, vpp, H)).astype(np.float32)}
+    x = rng.normal(size=(m, MB, H)).astype(np.float32)
+
+    def stage_step(with_metrics):
+        def step(p, _shared, d, received, vs):
+            y = _stage(p, jnp.where(vs == 0, d, received))
+            loss = jnp.where(vs == nvs - 1, _loss(y, d), 0.0)
+            if not with_metrics:
+                return y, (loss, {"loss": loss})
+            s = jax.lax.stop_gradient(jnp.sum(y))
+            return y, (loss, {"loss": loss}), {"sum": s, "rows": jnp.zeros(nvs).at[vs].set(s)}
+        return step
+
+    def body(p, x):
+        p = jax.tree.map(lambda a: a[0], p)
+        kw = dict(num_model_chunks=vpp, forward_only=forward_only)
+        losses, g, _, _, metrics = execute_stages(stage_step(True), x, p, stage_metrics=True, **kw)
+        plain, g_plain, _, _ = execute_stages(stage_step(False), x, p, **kw)
+        stack = lambda ds, k: jnp.stack([d[k] for d in ds])[None]
+        out = (stack(losses, "loss"), stack(plain, "loss"), stack(metrics, "sum"), stack(metrics, "rows"))
+        if not forward_only:
+            out += tuple(jax.tree.map(lambda a: a[None], (g, g_plain)))
+        return out
+
+    n_out = 4 if forward_only else 6
+    out = jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P()), out_specs=(P("pp"),) * n_out,
+                                check_vma=False))(params, x)
+    loss, plain, sums, rows = out[:4]
+    np.testing.assert_array_equal(loss, plain)
+    if not forward_only:
+        jax.tree.map(np.testing.assert_array_equal, out[4], out[5])
+    want = []
+    for xm in x:  # virtual stage vs = c * pp + r uses params[r, c]
+        h, per_stage = xm, []
+        for vs in range(nvs):
+            h = _stage(jax.tree.map(lambda a: a[vs % pp, vs // pp], params), h)
+            per_stage.append(float(jnp.sum(h)))
+        want.append(per_stage)
+    want = np.asarray(want)
+    for r in range(pp):  # every rank holds the whole model's values
+        np.testing.assert_allclose(rows[r], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(sums[r], want.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_stage_metrics_needs_the_third_item():
+    state = ps.build_parallel_state(pipeline_model_parallel_size=2, devices=jax.devices()[:2])
+
+    def body(p, x):
+        step = lambda p, _s, d, r, vs: (_stage(p, d), (jnp.sum(d), {}))
+        return execute_stages(step, x, jax.tree.map(lambda a: a[0], p), stage_metrics=True)[0]
+
+    params = {"w": jnp.zeros((2, 1, H, H)), "b": jnp.zeros((2, 1, H))}
+    with pytest.raises(ValueError, match="stage_step must return 3 items"):
+        jax.jit(jax.shard_map(body, mesh=state.mesh, in_specs=(P("pp"), P()), out_specs=P(),
+                              check_vma=False))(params, jnp.zeros((2, MB, H)))
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 4), (4, 1, 4), (4, 1, 16), (4, 2, 8), (4, 2, 16), (2, 2, 4)])

@@ -54,7 +54,29 @@ def test_ep2_pp2_dp2_matches_single_device(reference):
     # The aux losses of each stage's MoE layers enter the backward through the stage's output.
     records = layout_records(1, 2, jax.devices(), ITERS, MOE + ("--expert-model-parallel-size", "2"))
     _assert_matches(records, reference)
-    assert "moe_aux_loss" not in records[0]  # not logged with pipelining (docs/moe.md)
+    # Logged with pipelining too: every virtual stage's MoE layers, summed over the stages.
+    _assert_moe_metrics_match(records, reference)
+
+
+def _assert_moe_metrics_match(records: list[dict], reference: list[dict]) -> None:
+    for key in ("moe_aux_loss", "moe_z_loss"):
+        np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)
+    np.testing.assert_allclose([r["moe_expert_load"] for r in records], [r["moe_expert_load"] for r in reference],
+                               rtol=1e-4)
+
+
+def test_ep2_pp2_vpp2_logs_the_moe_metrics_of_every_virtual_stage():
+    # 4 MoE layers, one per virtual stage (vs = chunk * pp + rank): each layer's expert load lands in
+    # its own row, in layer order, and the aux / z losses sum over all four.
+    four = MOE + ("--num-layers", "4")
+    iters = 3
+    reference = layout_records(1, 1, [jax.local_devices()[0]], iters, four)
+    records = layout_records(1, 2, jax.devices(), iters, four + ("--expert-model-parallel-size", "2",
+                                                                 "--virtual-pipeline-model-parallel-size", "2"))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)
+    _assert_moe_metrics_match(records, reference)
+    assert len(reference[0]["moe_expert_load"]) == 4
 
 
 def test_flops_per_token_counts_active_experts():

@@ -283,15 +283,17 @@ class DistributedDataParallel:
         parallelism, so the loss function must return ``cp`` times its share of the microbatch loss
         (as :func:`core.models.gpt.gpt_layers.language_model_loss` does).
 
-        ``loss_metrics`` (``loss_fn`` without ``per_token_loss``): ``loss_fn`` returns ``(loss,
-        metrics)``, a dict of arrays identical over tp and pp (e.g. the MoE aux losses); metrics
-        ``"model"`` holds them averaged over the microbatches and the data-parallel ranks.
+        ``loss_metrics`` (without ``per_token_loss``): ``loss_fn`` returns ``(loss, metrics)``, a
+        dict of arrays identical over tp and pp (e.g. the MoE aux losses); metrics ``"model"``
+        holds them averaged over the microbatches and the data-parallel ranks. A
+        ``forward_backward`` returns them, already averaged over its microbatches, as a fourth
+        element (``(grads, loss, num_tokens, metrics)``).
         """
         meta = self._require_init()
         if (loss_fn is None) == (forward_backward is None):
             raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
-        if loss_metrics and (loss_fn is None or per_token_loss):
-            raise ValueError("loss_metrics needs loss_fn without per_token_loss")
+        if loss_metrics and per_token_loss:
+            raise ValueError("loss_metrics needs a loss without per_token_loss")
         step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward, loss_metrics)
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
         if loss_metrics:
@@ -381,7 +383,7 @@ class DistributedDataParallel:
             opt_state = opt.state_to_local(opt_state)
             rng = tuple(fold_rng_over_axis(r, dp_axes) for r in rng)  # () or the rank's key
             model_metrics = None
-            if loss_metrics:
+            if loss_metrics and forward_backward is None:
                 grads, loss, tokens, model_metrics = self._microbatch_grads(
                     loss_fn, params, batch, num_microbatches, per_token_loss, *(rng or (None,)), loss_metrics=True)
                 model_metrics = jax.tree.map(lambda v: lax.pmean(v, dp_axes), model_metrics)
@@ -389,7 +391,9 @@ class DistributedDataParallel:
                 grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss,
                                                              *rng)
             else:
-                grads, loss, tokens = forward_backward(params, batch, *rng)
+                grads, loss, tokens, *fb_metrics = forward_backward(params, batch, *rng)
+                if loss_metrics:
+                    model_metrics = jax.tree.map(lambda v: lax.pmean(v, dp_axes), fb_metrics[0])
                 grad_dtype = jnp.float32 if ddp_config.grad_reduce_in_fp32 else None
                 grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
             leaves = jax.tree.leaves(params)

@@ -20,6 +20,9 @@ Two entry points share the executor:
   (not divided: ``finalize_model_grads`` divides by the global token count);
 * :func:`forward_backward_table_driven` — a plain ``stage_fn`` / ``loss_fn`` form.
 
+:func:`execute_stages` can also sum a ``stage_metrics`` dict over every virtual stage (e.g. the
+MoE losses of each chunk's layers), where ``losses_reduced`` only holds the last stage's.
+
 ``params`` carries a leading ``[num_model_chunks]`` dimension (this rank's chunks; chunk ``c``
 of rank ``r`` is virtual stage ``c * pp + r``); stages keep the activation shape.
 """
@@ -86,7 +89,8 @@ def execute_stages(
     forward_only: bool = False,
     microbatch_group_size_per_vp_stage: int | None = None,
     axis_name: str = "pp",
-) -> tuple[list[dict], Any, Any, jax.Array | None]:
+    stage_metrics: bool = False,
+) -> tuple[list[dict], Any, Any, jax.Array | None] | tuple[list[dict], Any, Any, jax.Array | None, list[dict]]:
     """The executor, for models whose first and last stages differ (embedding, output layer).
 
     ``stage_step(chunk_params, shared_params, microbatch, received, virtual_stage)`` returns
@@ -96,6 +100,12 @@ def execute_stages(
     only). ``chunk_params`` have a leading ``[num_model_chunks]`` dim (this rank's chunks);
     ``shared_params`` are used by every chunk (e.g. a tied embedding) and their grads are summed.
     Returns ``(losses_reduced, chunk_grads, shared_grads, num_tokens)``.
+
+    ``stage_metrics``: ``stage_step`` returns ``(output_activation, loss_result, metrics)``, a
+    dict of arrays from every virtual stage (keep the gradient out: they are only recorded),
+    and a fifth element is returned: one dict per microbatch, summed over the virtual stages
+    (the forward of every (microbatch, chunk) counts once) and over ``axis_name``, so every
+    pipeline rank holds the whole model's values.
     """
     pp, vpp = lax.axis_size(axis_name), num_model_chunks
     m = jax.tree.leaves(data)[0].shape[0]
@@ -110,16 +120,21 @@ def execute_stages(
     per_token = {}  # set while tracing: does loss_func return (loss_sum, num_tokens, dict)?
 
     def run(p, sp, d, received, vs):
-        out, result = stage_step(p, sp, d, received, vs)
+        out, result, *sm = stage_step(p, sp, d, received, vs)
+        if len(sm) != int(stage_metrics):
+            raise ValueError(f"stage_step must return {3 if stage_metrics else 2} items with "
+                             f"stage_metrics={stage_metrics}, got {2 + len(sm)}")
         loss, nt, reduced = split_loss(result, m)
         per_token["yes"] = nt is not None
-        return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced)
+        return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced, sm[0] if sm else {})
 
     d0 = take(data, 0)
-    out_shape, (_, _, rd_shape) = jax.eval_shape(lambda: run(take(chunk_params, 0), shared, d0, jnp.zeros(()), 0))
+    out_shape, (_, _, rd_shape, sm_shape) = jax.eval_shape(
+        lambda: run(take(chunk_params, 0), shared, d0, jnp.zeros(()), 0))
     act_zero = jnp.zeros(out_shape.shape, out_shape.dtype)
-    zeros_rd = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), rd_shape)
-    no_loss = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros_rd)
+    zeros_of = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+    zeros_rd, zeros_sm = zeros_of(rd_shape), zeros_of(sm_shape)
+    no_loss = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros_rd, zeros_sm)
 
     def unpack(code):
         mb, c = jnp.divmod(jnp.maximum(code, 0), vpp)
@@ -128,8 +143,8 @@ def execute_stages(
     def forward(args):
         acts, code = args
         mb, c, vs = unpack(code)
-        y, (loss, nt, rd) = run(take(chunk_params, c), shared, take(data, mb), acts[c, mb % k], vs)
-        return y, (loss.astype(jnp.float32), nt, rd)
+        y, (loss, nt, rd, sm) = run(take(chunk_params, c), shared, take(data, mb), acts[c, mb % k], vs)
+        return y, (loss.astype(jnp.float32), nt, rd, sm)
 
     def backward(args):
         acts, grads, code = args
@@ -137,13 +152,13 @@ def execute_stages(
         is_last = vs == last_vs
 
         def f(p, sp, r):
-            out, (loss, nt, rd) = run(p, sp, take(data, mb), r, vs)
+            out, (loss, nt, rd, _) = run(p, sp, take(data, mb), r, vs)
             return (out, loss), (nt, rd)
 
         (_, loss), vjp, (nt, rd) = jax.vjp(f, take(chunk_params, c), shared, acts[c, mb % k], has_aux=True)
         cot_out = jnp.where(is_last, jnp.zeros_like(act_zero), grads[c, mb % k])
         gp, gs, gx = vjp((cot_out, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
-        return (loss.astype(jnp.float32), nt, rd), gp, gs, gx
+        return (loss.astype(jnp.float32), nt, rd, zeros_sm), gp, gs, gx
 
     zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
     zero_shared = jax.tree.map(jnp.zeros_like, shared)
@@ -151,14 +166,17 @@ def execute_stages(
     def record(rds, ntok, code, result):
         mb, _, vs = unpack(code)
         hit = (code >= 0) & (vs == last_vs)
-        _, nt, rd = result
+        _, nt, rd, _ = result
         rds = jax.tree.map(lambda acc, v: jnp.where(hit, acc.at[mb].set(v), acc), rds, rd)
         return rds, ntok + jnp.where(hit, nt, 0.0)
 
     def slot(carry, t):
-        acts, grads, param_grads, shared_grads, rds, ntok = carry
+        acts, grads, param_grads, shared_grads, rds, ntok, sms = carry
         f_code, b_code = fwd_table[t, rank], bwd_table[t, rank]
         y, f_res = lax.cond(f_code >= 0, forward, lambda _: (act_zero, no_loss), (acts, f_code))
+        # Stage metrics of every virtual stage, from its forward (an idle slot adds zeros).
+        f_mb = jnp.maximum(f_code, 0) // vpp
+        sms = jax.tree.map(lambda acc, v: acc.at[f_mb].add(v), sms, f_res[3])
         if forward_only:
             rds, ntok = record(rds, ntok, f_code, f_res)
             gx = act_zero
@@ -182,17 +200,21 @@ def execute_stages(
             ok_b = (bwd_table[t, nxt] >= 0) & (sb_c * pp + nxt > 0)
             dest_b = jnp.clip(sb_c - (nxt == 0), 0, vpp - 1)  # rank 0's chunk c sends to rank pp-1's chunk c-1
             grads = jnp.where(ok_b, grads.at[dest_b, sb_mb % k].set(recv_g), grads)
-        return (acts, grads, param_grads, shared_grads, rds, ntok), None
+        return (acts, grads, param_grads, shared_grads, rds, ntok, sms), None
 
     buffers = jnp.zeros((vpp, k) + act_zero.shape, act_zero.dtype)
-    rds0 = jax.tree.map(lambda z: jnp.zeros((m,) + z.shape, z.dtype), zeros_rd)
-    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, chunk_params), zero_shared, rds0,
-            jnp.zeros((), jnp.float32))
-    (_, _, param_grads, shared_grads, rds, ntok), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
+    per_mb = lambda tree: jax.tree.map(lambda z: jnp.zeros((m,) + z.shape, z.dtype), tree)
+    init = (buffers, buffers, jax.tree.map(jnp.zeros_like, chunk_params), zero_shared, per_mb(zeros_rd),
+            jnp.zeros((), jnp.float32), per_mb(zeros_sm))
+    (_, _, param_grads, shared_grads, rds, ntok, sms), _ = lax.scan(slot, init, jnp.arange(timeline.num_slots))
     losses = [take(rds, i) for i in range(m)]
     if forward_only:
         param_grads = shared_grads = None
-    return losses, param_grads, shared_grads, (ntok if per_token["yes"] else None)
+    out = (losses, param_grads, shared_grads, (ntok if per_token["yes"] else None))
+    if stage_metrics:
+        sms = jax.tree.map(lambda a: lax.psum(a, axis_name), sms)
+        out += ([take(sms, i) for i in range(m)],)
+    return out
 
 
 def forward_backward_table_driven(

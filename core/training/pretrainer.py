@@ -343,9 +343,10 @@ class Pretrainer:
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
         m = layout.num_microbatches
-        fb = self.model.ddp_forward_backward(m) if layout.pipeline_model_parallel_size > 1 else None
+        moe_metrics = self.config.moe is not None  # logged at every layout (docs/moe.md)
+        fb = self.model.ddp_forward_backward(m, with_metrics=moe_metrics) \
+            if layout.pipeline_model_parallel_size > 1 else None
         sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
-        moe_metrics = self.config.moe is not None and fb is None  # logged at pp=1 (docs/moe.md)
         loss_fn = (self.model.loss_fn_with_metrics if moe_metrics else self.model.loss_fn) if fb is None else None
         self.train_step = self.ddp.make_train_step(loss_fn, m, forward_backward=fb, sequence_axis=sequence_axis,
                                                    loss_metrics=moe_metrics)

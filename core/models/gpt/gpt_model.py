@@ -241,7 +241,9 @@ class GPTModel:
                 "moe_z_loss": tp(sum(st["z_loss"] for st in stats)),
                 "moe_tokens_per_expert": tp(jnp.concatenate([st["tokens_per_expert"] for st in stats]))}
 
-    def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0):
+    def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0, with_metrics: bool = False):
+        """The executor's ``stage_step``; ``with_metrics`` (MoE): it also returns the chunk's
+        :meth:`stage_moe_metrics`."""
         last = self.pp * self.vpp - 1
         shape = self.activation_shape(micro_batch_size)
         dtype = self.config.compute_dtype
@@ -249,6 +251,7 @@ class GPTModel:
         def stage_step(chunk, shared, mb, received, vs):
             received = jnp.broadcast_to(received, shape).astype(dtype)
             x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
+            stats = None
             if self.moe_layer is None:
                 y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
             else:  # the MoE losses' gradient enters through the chunk's output (no loss plumbing across stages)
@@ -256,32 +259,57 @@ class GPTModel:
                 y = attach_aux_loss(y, stats["total"], aux_loss_scale)
             loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
+            if with_metrics:
+                return y, (loss, {"lm loss": loss}), self.stage_moe_metrics(stats, vs)
             return y, (loss, {"lm loss": loss})
 
         return stage_step
 
+    def stage_moe_metrics(self, stats: dict, virtual_stage: int | jax.Array) -> dict:
+        """One chunk's share of :meth:`moe_metrics` (before the tp / cp sums) from its
+        :meth:`run_layers_moe` stats: the aux and z losses, and ``moe_tokens_per_expert`` as the
+        ``[n_moe_layers, E]`` of the whole model with the chunk's rows filled in (the chunk of
+        virtual stage ``v`` holds MoE layers ``v * n_moe_chunk`` onwards), zeros elsewhere, so the
+        sum over the virtual stages is the whole model's."""
+        tpe = lax.stop_gradient(stats["tokens_per_expert"])
+        n_chunk = tpe.shape[0]
+        rows = jnp.zeros((self.pp * self.vpp * n_chunk, tpe.shape[1]), tpe.dtype)
+        return {"moe_aux_loss": lax.stop_gradient(stats["aux_loss"]),
+                "moe_z_loss": lax.stop_gradient(stats["z_loss"]),
+                "moe_tokens_per_expert": lax.dynamic_update_slice(rows, tpe, (virtual_stage * n_chunk, 0))}
+
     def forward_backward(self, params: dict, batch: dict, num_microbatches: int, *,
-                         forward_only: bool = False) -> tuple[Any, jax.Array]:
+                         forward_only: bool = False, with_metrics: bool = False) -> tuple:
         """Pipelined forward (and backward) of this rank's local batch, split into microbatches.
 
-        Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage.
+        Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage;
+        ``with_metrics`` (MoE models) adds a third element, :meth:`moe_metrics` averaged over the
+        microbatches (the pp = 1 values of :meth:`loss_fn_with_metrics`), on every rank: each
+        virtual stage's share, summed by the executor over the stages.
         """
+        if with_metrics and self.moe_layer is None:
+            raise ValueError("with_metrics needs a MoE model (config.moe)")
         m = num_microbatches
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        losses, g_chunks, g_shared, _ = execute_stages(
-            self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, params["layers"], shared, num_model_chunks=self.vpp,
-            forward_only=forward_only, axis_name=PP_AXIS)
+        losses, g_chunks, g_shared, _, *stage = execute_stages(
+            self._stage_step(mbs["tokens"].shape[1], 1.0 / m, with_metrics), mbs, params["layers"], shared,
+            num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=with_metrics)
         loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
         grads = None if forward_only else {"layers": g_chunks, **g_shared}
-        return grads, loss
+        if not with_metrics:
+            return grads, loss
+        mean = jax.tree.map(lambda *v: sum(v) / m, *stage[0])
+        return grads, loss, jax.tree.map(lambda v: lax.psum(v, ("tp", CP_AXIS)), mean)
 
-    def ddp_forward_backward(self, num_microbatches: int):
-        """``forward_backward(params, batch) -> (grads, loss, num_tokens)`` for DDP's train step."""
+    def ddp_forward_backward(self, num_microbatches: int, with_metrics: bool = False):
+        """``forward_backward(params, batch) -> (grads, loss, num_tokens)`` for DDP's train step
+        (``with_metrics``: and the MoE metrics, a fourth element: ``make_train_step(...,
+        loss_metrics=True)``)."""
 
         def fn(params, batch):
-            grads, loss = self.forward_backward(params, batch, num_microbatches)
-            return grads, loss, jnp.zeros((), jnp.float32)
+            grads, loss, *metrics = self.forward_backward(params, batch, num_microbatches, with_metrics=with_metrics)
+            return grads, loss, jnp.zeros((), jnp.float32), *metrics
 
         return fn
 
