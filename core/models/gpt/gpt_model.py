@@ -236,10 +236,10 @@ class GPTModel:
         and ``moe_tokens_per_expert`` ``[n_moe_layers, E]``, each summed over tp and cp (the shares of
         the ranks that split a sequence add up to its loss); the trainer averages them over data
         parallelism."""
-        tp = lambda v: lax.psum(lax.stop_gradient(v), ("tp", CP_AXIS))
-        return {"moe_aux_loss": tp(sum(st["aux_loss"] for st in stats)),
-                "moe_z_loss": tp(sum(st["z_loss"] for st in stats)),
-                "moe_tokens_per_expert": tp(jnp.concatenate([st["tokens_per_expert"] for st in stats]))}
+        return _sum_sequence_shares({"moe_aux_loss": sum(st["aux_loss"] for st in stats),
+                                     "moe_z_loss": sum(st["z_loss"] for st in stats),
+                                     "moe_tokens_per_expert": jnp.concatenate([st["tokens_per_expert"]
+                                                                               for st in stats])})
 
     def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0, with_metrics: bool = False):
         """The executor's ``stage_step``; ``with_metrics`` (MoE): it also returns the chunk's
@@ -299,8 +299,7 @@ class GPTModel:
         grads = None if forward_only else {"layers": g_chunks, **g_shared}
         if not with_metrics:
             return grads, loss
-        mean = jax.tree.map(lambda *v: sum(v) / m, *stage[0])
-        return grads, loss, jax.tree.map(lambda v: lax.psum(v, ("tp", CP_AXIS)), mean)
+        return grads, loss, _sum_sequence_shares(jax.tree.map(lambda *v: sum(v) / m, *stage[0]))
 
     def ddp_forward_backward(self, num_microbatches: int, with_metrics: bool = False):
         """``forward_backward(params, batch) -> (grads, loss, num_tokens)`` for DDP's train step
@@ -318,6 +317,12 @@ class GPTModel:
         if self.pp > 1:
             return self.forward_backward(params, batch, num_microbatches, forward_only=True)[1]
         return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), split_microbatches(batch, num_microbatches)))
+
+
+def _sum_sequence_shares(metrics: dict) -> dict:
+    """Logged MoE values summed over the ranks that split a sequence (tp under sequence
+    parallelism, cp): their shares add up to the sequence's value. No gradient flows."""
+    return jax.tree.map(lambda v: lax.psum(lax.stop_gradient(v), ("tp", CP_AXIS)), metrics)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
