@@ -4,6 +4,7 @@ restore, clear errors, retention and crash safety."""
 import itertools
 import os
 import shutil
+import threading
 import time
 
 import jax
@@ -363,6 +364,26 @@ def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
     saver.close()
     assert seen == [[1], [2], [3]] and not active
     assert complete_steps(ckdir) == [1, 2, 3] and all(verify_checkpoint(ckdir, s) is None for s in (1, 2, 3))
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities are a Linux feature")
+def test_background_writer_runs_at_the_lowest_priority_on_cpu(ckdir, monkeypatch):
+    """On the CPU backend the writer thread (only it) runs at nice 19, so the steps keep the cores."""
+    write, seen = checkpointing._write_step, []
+
+    def recording_write(*args):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        write(*args)
+
+    monkeypatch.setattr(checkpointing, "_write_step", recording_write)
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    saver = CheckpointSaver(ckdir, async_save=True)
+    saver.save(1, _put(_values(1), _shardings_saved()), {"iteration": 1})
+    saver.close()
+    assert seen == [max(before, checkpointing.WRITER_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    CheckpointSaver(ckdir).save(2, _put(_values(2), _shardings_saved()), {"iteration": 2})  # synchronous
+    assert seen[-1] == before
 
 
 # ---------------------------------------------------------------------------------------
