@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from timing import round_robin_medians, round_robin_times  # noqa: E402
+from timing import BenchRun, round_robin_medians, round_robin_times  # noqa: E402
 
 MIB = 1024 * 1024
 COMM_TYPES = ("p2p", "all_gather")  # as core.context_parallel.COMM_TYPES (imported with JAX, later)
@@ -419,13 +419,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if jax.device_count() < need:
         raise SystemExit(f"needs {need} devices, JAX has {jax.device_count()} (run as a script, or set "
                          f"JAX_NUM_CPU_DEVICES)")
-    load_start, started = os.getloadavg()[0], time.perf_counter()
-    marks = [started]
-
-    def lap() -> str:
-        marks.append(time.perf_counter())
-        return f"{marks[-1] - marks[-2]:.0f} s"
-
+    run = BenchRun()
     programs = Programs(a.batch, a.heads, a.head_dim)
     budget = a.budget_mib * MIB
     workload = (f"causal self-attention forward + backward, batch {a.batch} x {a.heads} heads x head dim "
@@ -438,11 +432,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     cp_text = (f"{cp_table(cp)}\n\nTotal memory per device at cp=4 over cp=1 (same kernel): "
                + ", ".join(f"{comm} **{x:.3f}**" for comm, x in ratios.items())
                + f" (target <= {TARGET_MEMORY_RATIO}: {'met' if met else 'NOT met'})")
-    print(f"\n1. seq {a.seq}, cp = {a.cps} (median of {a.reps} round-robin rounds; {lap()})\n\n{cp_text}", flush=True)
+    print(f"\n1. seq {a.seq}, cp = {a.cps} (median of {a.reps} round-robin rounds; {run.lap()})\n\n{cp_text}",
+          flush=True)
 
     grid, longest = seq_rows(programs, seqs, cps, budget, a.granule)
     seq_text = f"{seq_table(grid, seqs, cps)}\n\n{longest_table(longest, budget)}"
-    print(f"\n2. per-device total MiB vs sequence length; longest within {a.budget_mib:.0f} MiB ({lap()})\n\n"
+    print(f"\n2. per-device total MiB vs sequence length; longest within {a.budget_mib:.0f} MiB ({run.lap()})\n\n"
           f"{seq_text}", flush=True)
 
     balance = balance_rows(programs, a.seq, a.balance_cp, a.balance_reps)
@@ -454,17 +449,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"({verdict['imbalance']}), **{100 * balanced['cpu_imbalance']:.1f}%** CPU time "
                 f"({verdict['cpu_imbalance']})")
     print(f"\n3. load balance, seq {a.seq}, cp {a.balance_cp} (median of {a.balance_reps} round-robin rounds, "
-          f"contiguous {max(1, a.balance_reps // 4)}; {lap()})\n\n{bal_text}", flush=True)
+          f"contiguous {max(1, a.balance_reps // 4)}; {run.lap()})\n\n{bal_text}", flush=True)
 
     hiding = hiding_rows(programs, a.seq, hide_cps, a.hide_reps)
     hide_text = hiding_table(hiding)
-    print(f"\n4. ring communication hidden, seq {a.seq} (median of {a.hide_reps} round-robin rounds; {lap()})\n\n"
+    print(f"\n4. ring communication hidden, seq {a.seq} (median of {a.hide_reps} round-robin rounds; {run.lap()})\n\n"
           f"{hide_text}", flush=True)
 
-    elapsed, load_end = time.perf_counter() - started, os.getloadavg()[0]
-    header = (f"`python bench/context_parallel.py{' --quick' if a.quick else ''}`, {time.strftime('%Y-%m-%d')}, "
-              f"{a.machine}; {elapsed:.0f} s; 1-min load average {load_start:.1f} at the start, {load_end:.1f} at "
-              f"the end" + (f". {a.note}" if a.note else "") + f"\n\nWorkload: {workload}.\n")
+    header = (run.header(f"python bench/context_parallel.py{' --quick' if a.quick else ''}", a.machine, a.note)
+              + f"\n\nWorkload: {workload}.\n")
     report = (f"{header}\n## 1. Memory and step time vs cp (seq {a.seq}, median of {a.reps} round-robin rounds)\n\n"
               f"{cp_text}\n\n"
               f"## 2. Per-device total MiB vs sequence length (compiled only); longest sequence within "
@@ -476,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{hide_text}\n")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(report)
-    print(f"\n{elapsed:.0f} s; wrote {a.out}")
+    print(f"\n{run.elapsed():.0f} s; wrote {a.out}")
     return {"cp": cp, "memory_ratios": ratios, "grid": grid, "longest": longest, "balance": balance,
             "hiding": hiding}
 

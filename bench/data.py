@@ -48,6 +48,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from timing import BenchRun  # noqa: E402
+
 TOOL = ROOT / "tools" / "preprocess_data.py"
 MIB = 1024 * 1024
 SPLIT = "969,30,1"
@@ -270,7 +273,7 @@ def loader_table(times: dict[str, list[float]], describe: dict[str, str]) -> str
 def main(argv: Sequence[str] | None = None) -> None:
     """Run both parts, print the tables, write the report."""
     a = _args(argv)
-    load_start = os.getloadavg()[0]
+    run = BenchRun()
     with tempfile.TemporaryDirectory(prefix="mcj-bench-data-") as tmp:
         workdir = Path(tmp)
         rows, prefixes = preprocessing(a, workdir)
@@ -298,11 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     verdict = "met" if share < 0.02 else "NOT met"
     print(f"\n{load_table}\n\nMegatron loader share {100 * share:.2f}% of the step: target < 2% {verdict}; "
           f"pipeline build with its indices (once, cache miss) {build_s:.2f} s")
-    load_end = os.getloadavg()[0]
     same = all(r["identical"] for r in rows)
-    header = (f"`python bench/data.py{' --quick' if a.quick else ''}`, {time.strftime('%Y-%m-%d')}, {a.machine}; "
-              f"1-min load average {load_start:.1f} at the start, {load_end:.1f} at the end"
-              + (f". {a.note}" if a.note else "") + "\n")
+    header = run.header(f"python bench/data.py{' --quick' if a.quick else ''}", a.machine, a.note) + "\n"
     report = (f"{header}\nPreprocessing (`tools/preprocess_data.py --append-eod`, {a.reps} round(s) round-robin, "
               f"medians; rates over the tool's own time; outputs of 1 and 2 workers identical: "
               f"{'yes' if same else 'NO'}):\n\n{pre_table}\n\nData loader vs training step (median of {a.rounds} "

@@ -48,7 +48,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
@@ -57,7 +56,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from timing import round_robin_medians  # noqa: E402
+from timing import BenchRun, round_robin_medians  # noqa: E402
 
 TARGET_STEP_RATIO = 1.5
 """MoE step time over the dense model of equal active parameters at ep = 1 (issue 32)."""
@@ -359,13 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if jax.device_count() < a.devices:
         raise SystemExit(f"needs {a.devices} devices, JAX has {jax.device_count()} (run as a script, or set "
                          f"JAX_NUM_CPU_DEVICES)")
-    load_start, started = os.getloadavg()[0], time.perf_counter()
-    marks = [(started, time.process_time())]
-
-    def lap() -> str:
-        marks.append((time.perf_counter(), time.process_time()))
-        return f"{marks[-1][0] - marks[-2][0]:.0f} s, {marks[-1][1] - marks[-2][1]:.0f} s CPU"
-
+    run = BenchRun()
     workload = (f"GPT, {a.layers} layers, hidden {a.hidden}, {a.heads} heads, seq {a.seq}, global batch "
                 f"{a.global_batch} ({a.global_batch * a.seq} tokens per step); MoE: {a.experts} experts, top-{a.topk}, "
                 f"expert FFN {a.ffn}, every layer, dropless alltoall, grouped GEMM; dense: FFN "
@@ -382,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         ragged = [r["ratio"] for r in steps if r["model"] == "moe, ragged_dot"]
         if ragged:
             step_text += f"; with `ragged_dot` experts {ragged[0]:.2f}"
-    print(f"\n1. training step (median of {a.reps} round-robin rounds; {lap()})\n\n{step_text}", flush=True)
+    print(f"\n1. training step (median of {a.reps} round-robin rounds; {run.lap()})\n\n{step_text}", flush=True)
 
     dispatch = dispatch_rows(a, eps, steps)
     at8 = next((r["share_of_step"] for r in dispatch if r["ep"] == max(eps)), float("nan"))
@@ -391,17 +384,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      + (f": {'met' if at8 <= TARGET_DISPATCH_SHARE else 'NOT met'})" if max(eps) == 8
                         else ", which is at ep=8)"))
     print(f"\n2. dispatch and combine, pieces jitted alone, forward + backward (median of {a.reps} round-robin "
-          f"rounds; {lap()})\n\n{dispatch_text}", flush=True)
+          f"rounds; {run.lap()})\n\n{dispatch_text}", flush=True)
 
     gemm = gemm_rows(a)
     gemm_text = gemm_table(gemm)
     print(f"\n3. expert computation, {a.gemm_rows} rows, {a.experts} experts, h {a.gemm_hidden}, F {a.gemm_ffn}, one "
-          f"device (median of {a.reps} round-robin rounds; {lap()})\n\n{gemm_text}", flush=True)
+          f"device (median of {a.reps} round-robin rounds; {run.lap()})\n\n{gemm_text}", flush=True)
 
-    elapsed, load_end = time.perf_counter() - started, os.getloadavg()[0]
-    header = (f"`python bench/moe.py{' --quick' if a.quick else ''}`, {time.strftime('%Y-%m-%d')}, {a.machine}, "
-              f"{jax.default_backend()} backend; {elapsed:.0f} s; 1-min load average {load_start:.1f} at the start, "
-              f"{load_end:.1f} at the end" + (f". {a.note}" if a.note else "") + f"\n\nWorkload: {workload}.\n")
+    header = (run.header(f"python bench/moe.py{' --quick' if a.quick else ''}",
+                         f"{a.machine}, {jax.default_backend()} backend", a.note) + f"\n\nWorkload: {workload}.\n")
     report = (f"{header}\n## 1. Training step, MoE vs dense of equal active parameters (median of {a.reps} "
               f"round-robin rounds)\n\n{step_text}\n\n"
               f"## 2. Dispatch + combine (MoE layer pieces jitted alone, forward + backward, median of {a.reps} "
@@ -410,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"F {a.gemm_ffn}, forward + backward, one device)\n\n{gemm_text}\n")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(report)
-    print(f"\n{elapsed:.0f} s; wrote {a.out}")
+    print(f"\n{run.elapsed():.0f} s; wrote {a.out}")
     return {"steps": steps, "step_ratio_ep1": at1, "dispatch": dispatch, "dispatch_share_max_ep": at8, "gemm": gemm}
 
 

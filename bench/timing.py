@@ -1,7 +1,8 @@
-"""Shared by the benchmarks: median wall time of jitted calls."""
+"""Shared by the benchmarks: median wall time of jitted calls, and a run's clock and load record."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -49,3 +50,32 @@ def round_robin_medians(fns: Sequence[Callable[[], Any]], reps: int = 5, warmup:
     """Per function, the median seconds on each clock of :func:`round_robin_times`."""
     times = round_robin_times(fns, reps, warmup, clocks)
     return [tuple(statistics.median(ts) for ts in per_clock) for per_clock in times]
+
+
+class BenchRun:
+    """One benchmark run's clock and host load, for its progress lines and its report's header
+    (these machines are shared: a figure is read with the load it was measured under)."""
+
+    def __init__(self) -> None:
+        self.load_start = os.getloadavg()[0]
+        """1-min load average when the run started."""
+        self.started = time.perf_counter()
+        """``time.perf_counter()`` at the start."""
+        self._marks = [(self.started, time.process_time())]
+
+    def lap(self) -> str:
+        """Wall and CPU seconds since the previous lap (or the start), e.g. ``"41 s, 77 s CPU"``."""
+        self._marks.append((time.perf_counter(), time.process_time()))
+        (wall0, cpu0), (wall1, cpu1) = self._marks[-2:]
+        return f"{wall1 - wall0:.0f} s, {cpu1 - cpu0:.0f} s CPU"
+
+    def elapsed(self) -> float:
+        """Wall seconds since the start."""
+        return time.perf_counter() - self.started
+
+    def header(self, command: str, machine: str, note: str = "") -> str:
+        """The report's first line: the command, the date, the machine, the run's length and the
+        load average at its start and now, then ``note``."""
+        return (f"`{command}`, {time.strftime('%Y-%m-%d')}, {machine}; {self.elapsed():.0f} s; 1-min load average "
+                f"{self.load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+                + (f". {note}" if note else ""))
