@@ -5,7 +5,9 @@ schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping 
 (distributed) optimizer. The data order is a pure function of ``--seed`` and the number of
 consumed samples, parameters and optimizer state live in the checkpoint, and the only other
 randomness, dropout, is seeded per sample from ``--seed`` and the sample's position in that
-order (:func:`dropout_seeds`), so resuming reproduces the uninterrupted run.
+order (:func:`dropout_seeds`), so resuming reproduces the uninterrupted run. The MoE expert
+biases (:attr:`Pretrainer.moe_state`) are model state outside the optimizer, updated after each
+step and checkpointed with the parameters.
 
 The data (:class:`PretrainingData`) is the built-in corpus, a text file or directory, or
 Megatron's indexed datasets (``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``),
@@ -474,7 +476,8 @@ class Pretrainer:
                 "num_devices": int(self.state.mesh.devices.size)}
 
     def save(self, directory: str) -> None:
-        """Checkpoint params, optimizer state, data position, seed and iteration (atomic). The
+        """Checkpoint params, optimizer state, the MoE expert biases (with
+        ``--moe-router-enable-expert-bias``), data position, seed and iteration (atomic). The
         optimizer state is stored in the layout-independent form
         (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`). With
         ``--async-save`` this returns once an on-device copy of the values is dispatched (the
