@@ -21,14 +21,19 @@ def layout_losses(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple
 
 def layout_records(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple = ()) -> list[dict]:
     """Each iteration's metrics record (loss, grad norm, ...) of :func:`layout_losses`' run."""
+    trainer = layout_trainer(tp, pp, devices, iters, extra)
+    return [trainer.step() for _ in range(iters)]
+
+
+def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tuple = ()) -> Pretrainer:
+    """The :class:`Pretrainer` of :func:`layout_records`' run, before its first step."""
     args = parse_args(TINY + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
                               "--train-iters", str(iters), *extra])
     layout = validate_args(args, len(devices))
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
                                     expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices)
-    trainer = Pretrainer(args, layout, state)
-    return [trainer.step() for _ in range(iters)]
+    return Pretrainer(args, layout, state)
 
 
 def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:

@@ -137,8 +137,7 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
      "--expert-model-parallel-size 4 does not divide the data-parallel size 2"),
     (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk (8) must not exceed --num-experts (4)"),
     (MOE + ["--tensor-model-parallel-size", "2"], "MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"),
-    (MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias"],
-     "--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py"),
+    (MOE + ["--moe-router-enable-expert-bias"], "moe-router-enable-expert-bias needs"),
     (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
      "--expert-model-parallel-size 2 with --context-parallel-size 2 is not supported"),
     (MOE + ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor needs --moe-token-dispatcher-type "

@@ -251,7 +251,8 @@ class DistributedDataParallel:
     # -- the fused step --------------------------------------------------------------------
     def make_train_step(self, loss_fn: LossFn | None, num_microbatches: int = 1, *, per_token_loss: bool = False,
                         forward_backward: ForwardBackwardFn | None = None, with_rng: bool = False,
-                        sequence_axis: str | None = None, loss_metrics: bool = False):
+                        sequence_axis: str | None = None, loss_metrics: bool = False,
+                        model_state_specs: Any = None, update_model_state: Callable | None = None):
         """Jitted ``step(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
         ``loss_fn(params, microbatch)`` runs inside ``shard_map`` on local shapes and returns the
@@ -288,13 +289,27 @@ class DistributedDataParallel:
         holds them averaged over the microbatches and the data-parallel ranks. A
         ``forward_backward`` returns them, already averaged over its microbatches, as a fourth
         element (``(grads, loss, num_tokens, metrics)``).
+
+        ``model_state_specs`` (with ``loss_metrics`` and ``update_model_state``): the model also has
+        non-trainable state (e.g. the MoE expert biases), a pytree of global arrays split as these
+        specs say, which is not a parameter (no gradient, optimizer or checkpoint shard of its own).
+        The step is ``step(params, opt_state, batch, model_state[, rng]) -> (params, opt_state,
+        metrics, model_state)``; the loss function gets it as ``loss_fn(params, microbatch[, rng],
+        model_state=...)`` (``forward_backward(params, batch[, rng], model_state=...)``), and after
+        the optimizer step ``update_model_state(model_state, local_metrics)`` (inside ``shard_map``)
+        returns the new state from this rank's model metrics, averaged over its microbatches only.
         """
         meta = self._require_init()
         if (loss_fn is None) == (forward_backward is None):
             raise ValueError("make_train_step needs exactly one of loss_fn and forward_backward")
         if loss_metrics and per_token_loss:
             raise ValueError("loss_metrics needs a loss without per_token_loss")
-        step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward, loss_metrics)
+        with_state = model_state_specs is not None
+        if with_state and (update_model_state is None or not loss_metrics):
+            raise ValueError("model_state_specs needs update_model_state and loss_metrics")
+        step = self._step_body(loss_fn, num_microbatches, per_token_loss, forward_backward, loss_metrics,
+                               update_model_state if with_state else None)
+        state_specs = (model_state_specs,) if with_state else ()
         metric_specs = {"loss": P(), "grad_norm": P(), "nonfinite": self.local_spec, "skipped": P()}
         if loss_metrics:
             metric_specs["model"] = P()
@@ -309,18 +324,20 @@ class DistributedDataParallel:
             key = (jax.tree.structure(batch), tuple(len(x.shape) for x in jax.tree.leaves(batch)))
             if key not in programs:
                 in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_specs(batch, sequence_axis), P()) \
-                    + ((P(),) if with_rng else ())
-                fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs))
+                    + state_specs + ((P(),) if with_rng else ())
+                fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs)
+                                     + state_specs)
                 programs[key] = jax.jit(fn, donate_argnums=(0, 1))
             return programs[key](params, opt_state, batch, *rest)
 
         dp = self.state.data_parallel_size
         seq_split = self.mesh.shape[sequence_axis] if sequence_axis is not None else 1
 
-        def train_step(params, opt_state, batch, *rng):
-            if len(rng) != int(with_rng):
-                args = "(params, opt_state, batch, rng)" if with_rng else "(params, opt_state, batch)"
-                raise TypeError(f"this train step takes {args} (make_train_step's with_rng={with_rng})")
+        def train_step(params, opt_state, batch, *rest):
+            if len(rest) != int(with_rng) + int(with_state):
+                args = ", ".join(["params", "opt_state", "batch"] + ["model_state"] * with_state + ["rng"] * with_rng)
+                raise TypeError(f"this train step takes ({args}) (make_train_step's with_rng={with_rng}, "
+                                f"model_state_specs {'given' if with_state else 'None'})")
             for leaf in jax.tree.leaves(batch):
                 if leaf.shape[0] % (dp * num_microbatches):
                     raise ValueError(
@@ -329,7 +346,7 @@ class DistributedDataParallel:
                 if seq_split > 1 and leaf.ndim >= 2 and leaf.shape[1] % seq_split:
                     raise ValueError(f"sequence length {leaf.shape[1]} is not divisible by the {sequence_axis!r} "
                                      f"axis size ({seq_split})")
-            out = jitted(params, opt_state, batch, meta["masks"], *rng)
+            out = jitted(params, opt_state, batch, meta["masks"], *rest)
             self.params = out[0]  # the donated input is gone; the facade follows the step
             return out
 
@@ -374,28 +391,39 @@ class DistributedDataParallel:
             acc, _ = lax.scan(add, zero, mbs)
         return acc
 
-    def _step_body(self, loss_fn, num_microbatches, per_token_loss, forward_backward=None, loss_metrics=False):
+    def _step_body(self, loss_fn, num_microbatches, per_token_loss, forward_backward=None, loss_metrics=False,
+                   update_model_state=None):
         meta = self._require_init()
         state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
         dp_axes = state.data_parallel_with_context_axis_name
 
-        def body(params, opt_state, batch, masks, *rng):
+        def body(params, opt_state, batch, masks, *rest):
+            if update_model_state is None:
+                return step(params, opt_state, batch, masks, loss_fn, forward_backward, *rest)[:3]
+            model_state, *rng = rest
+            # The state is a closed-over input: no gradient flows to it and no optimizer sees it.
+            bind = lambda f: None if f is None else (lambda *a: f(*a, model_state=model_state))
+            new_params, new_opt, metrics, local_metrics = step(params, opt_state, batch, masks, bind(loss_fn),
+                                                               bind(forward_backward), *rng)
+            return new_params, new_opt, metrics, update_model_state(model_state, local_metrics)
+
+        def step(params, opt_state, batch, masks, loss_fn, forward_backward, *rng):
             opt_state = opt.state_to_local(opt_state)
             rng = tuple(fold_rng_over_axis(r, dp_axes) for r in rng)  # () or the rank's key
-            model_metrics = None
+            local_metrics = None
             if loss_metrics and forward_backward is None:
-                grads, loss, tokens, model_metrics = self._microbatch_grads(
+                grads, loss, tokens, local_metrics = self._microbatch_grads(
                     loss_fn, params, batch, num_microbatches, per_token_loss, *(rng or (None,)), loss_metrics=True)
-                model_metrics = jax.tree.map(lambda v: lax.pmean(v, dp_axes), model_metrics)
             elif forward_backward is None:
                 grads, loss, tokens = self._microbatch_grads(loss_fn, params, batch, num_microbatches, per_token_loss,
                                                              *rng)
             else:
                 grads, loss, tokens, *fb_metrics = forward_backward(params, batch, *rng)
-                if loss_metrics:
-                    model_metrics = jax.tree.map(lambda v: lax.pmean(v, dp_axes), fb_metrics[0])
+                local_metrics = fb_metrics[0] if loss_metrics else None
                 grad_dtype = jnp.float32 if ddp_config.grad_reduce_in_fp32 else None
                 grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
+            model_metrics = None if local_metrics is None else \
+                jax.tree.map(lambda v: lax.pmean(v, dp_axes), local_metrics)
             leaves = jax.tree.leaves(params)
             grad_leaves = jax.tree.leaves(grads)
             reduced = finalize_model_grads(grad_leaves, meta["infos"], meta["specs"], ddp_config, state,
@@ -425,7 +453,7 @@ class DistributedDataParallel:
                        **extra}
             if model_metrics is not None:
                 metrics["model"] = model_metrics
-            return new_params, opt.state_from_local(new_opt), metrics
+            return new_params, opt.state_from_local(new_opt), metrics, local_metrics
 
         return body
 

@@ -109,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None, help="shared expert width")
     g.add_argument("--moe-router-dtype", choices=["fp32"], default=None, help="router linear layer in float32")
     g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
-                   help="aux-loss-free expert bias (not supported yet in pretraining: refused)")
+                   help="DeepSeek-V3 aux-loss-free balancing: a per-expert bias on the top-k choice "
+                        "(sigmoid score function), moved after every step by the rate against the step's global "
+                        "load; checkpointed, not optimized")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
-                   help="expert-bias update rate (with --moe-router-enable-expert-bias)")
+                   help="expert-bias update rate (with --moe-router-enable-expert-bias; default 1e-3)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=16)
@@ -335,9 +337,6 @@ def _validate_moe(args: argparse.Namespace, dp: int) -> int:
     if dp % ep:
         raise ArgumentError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
                             "(world / (tp x pp x cp)): expert parallelism is a split of data parallelism")
-    if args.moe_router_enable_expert_bias:
-        raise ArgumentError("--moe-router-enable-expert-bias is not supported yet in launch/pretrain.py (the "
-                            "bias update is not in the training step)")
     if args.context_parallel_size > 1 and ep > 1:
         # Megatron's expert groups take ep from the ranks next to tp, across cp: not one mesh axis.
         raise ArgumentError(f"--expert-model-parallel-size {ep} with --context-parallel-size "

@@ -5,7 +5,9 @@ schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping 
 (distributed) optimizer. The data order is a pure function of ``--seed`` and the number of
 consumed samples, parameters and optimizer state live in the checkpoint, and the only other
 randomness, dropout, is seeded per sample from ``--seed`` and the sample's position in that
-order (:func:`dropout_seeds`), so resuming reproduces the uninterrupted run.
+order (:func:`dropout_seeds`), so resuming reproduces the uninterrupted run. The MoE expert
+biases (:attr:`Pretrainer.moe_state`) are model state outside the optimizer, updated after each
+step and checkpointed with the parameters.
 
 The data (:class:`PretrainingData`) is the built-in corpus, a text file or directory, or
 Megatron's indexed datasets (``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``),
@@ -342,31 +344,50 @@ class Pretrainer:
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
+        self.moe_state = self._init_moe_state()
+        """The model's non-trainable MoE state (``{"expert_bias": [vpp, pp * n_moe, E]}``), None
+        without ``--moe-router-enable-expert-bias``: updated after every optimizer step, checkpointed."""
         m = layout.num_microbatches
         moe_metrics = self.config.moe is not None  # logged at every layout (docs/moe.md)
         fb = self.model.ddp_forward_backward(m, with_metrics=moe_metrics) \
             if layout.pipeline_model_parallel_size > 1 else None
         sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
         loss_fn = (self.model.loss_fn_with_metrics if moe_metrics else self.model.loss_fn) if fb is None else None
+        state_args = {}
+        if self.moe_state is not None:
+            if loss_fn is not None:
+                loss_fn = lambda p, mb, model_state: self.model.loss_fn_with_metrics(p, mb, model_state)
+            state_args = {"model_state_specs": self.model.moe_state_spec(),
+                          "update_model_state": lambda s, metrics: self.model.update_moe_state(s, metrics, m)}
         self.train_step = self.ddp.make_train_step(loss_fn, m, forward_backward=fb, sequence_axis=sequence_axis,
-                                                   loss_metrics=moe_metrics)
+                                                   loss_metrics=moe_metrics, **state_args)
         self.eval_step = self._make_eval_step()
+
+    def _init_moe_state(self) -> dict[str, jax.Array] | None:
+        """Zero expert biases (Megatron's initial value), split over ``"pp"`` like the MoE layers."""
+        if not self.model.has_expert_bias:
+            return None
+        specs = self.model.moe_state_spec()
+        return {k: jnp.zeros(v.shape, v.dtype, device=NamedSharding(self.state.mesh, specs[k]))
+                for k, v in self.model.moe_state_shape().items()}
 
     # -- steps -----------------------------------------------------------------------------
     def _make_eval_step(self):
         m, dp_axes = self.layout.num_microbatches, self.state.data_parallel_axis_name
         sequence_axis = CP_AXIS if self.state.context_parallel_size > 1 else None
         # Every cp rank's loss is already the whole sequence's (language_model_loss sums over "cp").
-        fn = lambda p, b: lax.pmean(self.model.eval_loss(p, b, m), dp_axes)
+        fn = lambda p, b, s: lax.pmean(self.model.eval_loss(p, b, m, s), dp_axes)
+        state_spec = None if self.moe_state is None else self.model.moe_state_spec()
         programs: dict[Any, Callable] = {}
 
         def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
             key = tuple(sorted((k, v.ndim) for k, v in batch.items()))
             if key not in programs:
                 specs = self.ddp.batch_specs(batch, sequence_axis)
-                programs[key] = jax.jit(jax.shard_map(fn, mesh=self.state.mesh, in_specs=(self.ddp.param_specs, specs),
+                programs[key] = jax.jit(jax.shard_map(fn, mesh=self.state.mesh,
+                                                      in_specs=(self.ddp.param_specs, specs, state_spec),
                                                       out_specs=P(), check_vma=False))
-            return programs[key](params, batch)
+            return programs[key](params, batch, self.moe_state)
 
         return eval_step
 
@@ -381,7 +402,11 @@ class Pretrainer:
         """Start one training iteration without waiting for it; returns its pending record, whose
         ``loss`` and ``grad_norm`` are device arrays until :meth:`collect` reads them."""
         batch = self.data.next_train_batch()
-        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
+        if self.moe_state is None:
+            self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
+        else:
+            self.params, self.opt_state, metrics, self.moe_state = self.train_step(self.params, self.opt_state,
+                                                                                   batch, self.moe_state)
         self.iteration += 1
         lr = float(self.learning_rates[min(self.iteration, len(self.learning_rates)) - 1])
         return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
@@ -451,7 +476,8 @@ class Pretrainer:
                 "num_devices": int(self.state.mesh.devices.size)}
 
     def save(self, directory: str) -> None:
-        """Checkpoint params, optimizer state, data position, seed and iteration (atomic). The
+        """Checkpoint params, optimizer state, the MoE expert biases (with
+        ``--moe-router-enable-expert-bias``), data position, seed and iteration (atomic). The
         optimizer state is stored in the layout-independent form
         (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`). With
         ``--async-save`` this returns once an on-device copy of the values is dispatched (the
@@ -464,6 +490,8 @@ class Pretrainer:
                 "optimizer_format": OPTIMIZER_FORMAT}
         state = {"params": self.params, "opt_state": self.ddp.optimizer_state_to_global(self.opt_state)}
         state = map_layer_leaves(to_layer_order, state, self.ddp.param_paths)  # vpp-independent
+        if self.moe_state is not None:  # stacked per MoE layer like the layers: the same layer order
+            state["moe_state"] = jax.tree.map(to_layer_order, self.moe_state)
         if self._saver is None or self._saver.directory != os.path.abspath(directory):
             self.finish_saving()
             self._saver = checkpointing.CheckpointSaver(directory, async_save=bool(self.args.async_save))
@@ -502,10 +530,14 @@ class Pretrainer:
             if load_optimizer:
                 target["opt_state"] = self.ddp.optimizer_state_global_abstract()
             target = map_layer_leaves(layer_order_target, target, self.ddp.param_paths)
+            if self.moe_state is not None:
+                target["moe_state"] = jax.tree.map(layer_order_target, self.moe_state)
             restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
             vpp = self.layout.virtual_pipeline_model_parallel_size or 1
             restored = map_layer_leaves(lambda x: from_layer_order(x, vpp), restored, self.ddp.param_paths)
             self.params = restored["params"]
+            if self.moe_state is not None:
+                self.moe_state = jax.tree.map(lambda x: from_layer_order(x, vpp), restored["moe_state"])
             if load_optimizer:
                 self.opt_state = self.ddp.optimizer_state_from_global(restored["opt_state"])
         else:  # the per-device format: the optimizer state only into its own layout

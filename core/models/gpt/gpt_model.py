@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from core.context_parallel import cp_positions
 from core.models.gpt.gpt_config import GPTConfig
@@ -52,6 +53,7 @@ from core.parallel_state import CP_AXIS, PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
+from core.transformer.moe import MOE_STATE, get_updated_expert_bias
 
 
 class GPTModel:
@@ -108,6 +110,38 @@ class GPTModel:
             stacked[kind] = stack(*[stack(*chunk) for chunk in chunks])
         return stacked
 
+    # -- non-trainable MoE state (aux-loss-free expert bias) -----------------------------------
+    @property
+    def has_expert_bias(self) -> bool:
+        """Whether the MoE routers carry an expert bias (``moe_router_enable_expert_bias``)."""
+        return self.config.moe is not None and self.config.moe.moe_router_enable_expert_bias
+
+    def moe_state_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Global shapes of the model's MoE state: ``{"expert_bias": [vpp, pp * n_moe, E]}``
+        float32, stacked and split over ``"pp"`` (dim 1) as ``params["layers"]["moe"]`` is."""
+        n_moe = sum(self.chunk_moe_pattern) * self.pp
+        return {"expert_bias": jax.ShapeDtypeStruct((self.vpp, n_moe, self.config.moe.num_experts), jnp.float32)}
+
+    @staticmethod
+    def moe_state_spec() -> dict:
+        """The ``shard_map`` spec of :meth:`moe_state_shape`'s arrays (replicated but over ``"pp"``)."""
+        return {"expert_bias": P(None, PP_AXIS, None)}
+
+    def update_moe_state(self, moe_state: dict, local_metrics: dict, num_microbatches: int) -> dict:
+        """Megatron's ``_update_router_expert_bias`` (inside ``shard_map``, after the optimizer step):
+        every MoE layer's bias moves by ``rate * sign(mean - tpe)`` with ``tpe`` the step's global
+        tokens per expert of that layer. ``local_metrics`` are this rank's :meth:`moe_metrics`
+        averaged over the microbatches (summed over tp and cp); the counts are integers, so
+        ``round(x * m)`` undoes the average exactly and the data-parallel sum gives every rank
+        the same global counts (hence the same bias)."""
+        tpe = jnp.round(local_metrics["moe_tokens_per_expert"] * num_microbatches)
+        tpe = lax.psum(tpe, self.state.data_parallel_axis_name)  # [vpp * pp * n_chunk, E], layer order
+        bias = moe_state["expert_bias"]  # local [vpp, n_chunk, E]; layer order row = (c * pp + r) * n_chunk + j
+        vpp, n_chunk, e = bias.shape
+        tpe = tpe.reshape(vpp, self.pp, n_chunk, e)[:, lax.axis_index(PP_AXIS)]
+        rate = self.config.moe.moe_router_bias_update_rate
+        return {"expert_bias": get_updated_expert_bias(tpe, bias, rate)}
+
     def _cast(self, tree: Any) -> Any:
         dtype = self.config.compute_dtype
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
@@ -133,12 +167,12 @@ class GPTModel:
         return x.astype(self.config.compute_dtype)
 
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
-                   first_layer: int | jax.Array = 0) -> jax.Array:
+                   first_layer: int | jax.Array = 0, chunk_bias: jax.Array | None = None) -> jax.Array:
         """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan;
         ``first_layer`` is the chunk's first global layer index (its dropout keys use it).
         With MoE layers their aux losses are dropped here: training uses :meth:`run_layers_moe`."""
         if self.moe_layer is not None:
-            return self.run_layers_moe(chunk_layers, x, microbatch, first_layer)[0]
+            return self.run_layers_moe(chunk_layers, x, microbatch, first_layer, chunk_bias)[0]
         ctx = self.context(microbatch)
         body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
         if self.config.recompute_granularity == "full":
@@ -147,11 +181,13 @@ class GPTModel:
         return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0]
 
     def run_layers_moe(self, chunk_layers: dict, x: jax.Array, microbatch: dict | None = None,
-                       first_layer: int | jax.Array = 0) -> tuple[jax.Array, dict]:
+                       first_layer: int | jax.Array = 0,
+                       chunk_bias: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """The layers of one model chunk of a MoE model (params ``{"dense", "moe"}`` stacked per
-        kind), unrolled; returns ``(x, stats)`` with this rank's shares of the chunk's MoE losses
-        summed over its layers (``"aux_loss"``, ``"z_loss"``, and their sum ``"total"`` that enters
-        the objective) and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens)."""
+        kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's expert biases, with them), unrolled;
+        returns ``(x, stats)`` with this rank's shares of the chunk's MoE losses summed over its
+        layers (``"aux_loss"``, ``"z_loss"``, and their sum ``"total"`` that enters the objective)
+        and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens)."""
         ctx = self.context(microbatch)
         chunk = self._cast(chunk_layers)
         count = {"dense": 0, "moe": 0}
@@ -161,7 +197,11 @@ class GPTModel:
             p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk[kind])
             count[kind] += 1
             layer = self.moe_layer if is_moe else self.layer
-            fn = lambda p, h, c, layer=layer: layer.apply({"params": p}, h, c)
+            variables = {}
+            if is_moe and self.has_expert_bias:  # the router's non-trainable top-k bias (no gradient)
+                bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
+                variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
+            fn = lambda p, h, c, layer=layer, v=variables: layer.apply({"params": p, **v}, h, c)
             if self.config.recompute_granularity == "full":
                 fn = jax.checkpoint(fn)
             out = fn(p, x, ctx.replace(layer_index=first_layer + j))
@@ -198,12 +238,12 @@ class GPTModel:
         return (s, micro_batch_size, self.config.hidden_size)
 
     # -- whole-model entry points -----------------------------------------------------------
-    def loss_fn(self, params: dict, microbatch: dict) -> jax.Array:
+    def loss_fn(self, params: dict, microbatch: dict, moe_state: dict | None = None) -> jax.Array:
         """Mean loss of one microbatch through the whole model (no pipelining). With MoE layers
         the value is the LM loss and the gradient also that of the MoE aux and z losses
         (:meth:`loss_fn_with_metrics`)."""
         if self.moe_layer is not None:
-            return self.loss_fn_with_metrics(params, microbatch)[0]
+            return self.loss_fn_with_metrics(params, microbatch, moe_state)[0]
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
         x = self.embed(params, microbatch)
@@ -212,8 +252,10 @@ class GPTModel:
                                 c * self.layers_per_chunk)
         return self.loss(params, x, microbatch)
 
-    def loss_fn_with_metrics(self, params: dict, microbatch: dict) -> tuple[jax.Array, dict]:
-        """MoE model, no pipelining: ``(loss, metrics)``. ``loss`` has the LM loss's value and the
+    def loss_fn_with_metrics(self, params: dict, microbatch: dict,
+                             moe_state: dict | None = None) -> tuple[jax.Array, dict]:
+        """MoE model, no pipelining: ``(loss, metrics)`` (``moe_state``: :meth:`moe_state_shape`'s
+        local arrays, needed with the expert bias). ``loss`` has the LM loss's value and the
         gradient of LM loss + the MoE aux and z losses (their sum enters as ``A - stop_gradient(A)``,
         an exact zero, so the reported loss stays the LM loss; the loss's ``1/num_microbatches``
         scaling applies to both). ``metrics`` (:meth:`moe_metrics`) for logging."""
@@ -223,7 +265,7 @@ class GPTModel:
         stats = []
         for c in range(self.vpp):
             x, st = self.run_layers_moe(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
-                                        c * self.layers_per_chunk)
+                                        c * self.layers_per_chunk, _chunk_bias(moe_state, c))
             stats.append(st)
         total = sum(st["total"] for st in stats)
         loss = self.loss(params, x, microbatch)
@@ -248,14 +290,15 @@ class GPTModel:
         shape = self.activation_shape(micro_batch_size)
         dtype = self.config.compute_dtype
 
-        def stage_step(chunk, shared, mb, received, vs):
+        def stage_step(chunk_and_bias, shared, mb, received, vs):
+            chunk, bias = chunk_and_bias
             received = jnp.broadcast_to(received, shape).astype(dtype)
             x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
             stats = None
             if self.moe_layer is None:
                 y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
             else:  # the MoE losses' gradient enters through the chunk's output (no loss plumbing across stages)
-                y, stats = self.run_layers_moe(chunk, x, mb, vs * self.layers_per_chunk)
+                y, stats = self.run_layers_moe(chunk, x, mb, vs * self.layers_per_chunk, bias)
                 y = attach_aux_loss(y, stats["total"], aux_loss_scale)
             loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
@@ -279,44 +322,54 @@ class GPTModel:
                 "moe_tokens_per_expert": lax.dynamic_update_slice(rows, tpe, (virtual_stage * n_chunk, 0))}
 
     def forward_backward(self, params: dict, batch: dict, num_microbatches: int, *,
-                         forward_only: bool = False, with_metrics: bool = False) -> tuple:
+                         forward_only: bool = False, with_metrics: bool = False,
+                         moe_state: dict | None = None) -> tuple:
         """Pipelined forward (and backward) of this rank's local batch, split into microbatches.
 
         Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage;
         ``with_metrics`` (MoE models) adds a third element, :meth:`moe_metrics` averaged over the
         microbatches (the pp = 1 values of :meth:`loss_fn_with_metrics`), on every rank: each
-        virtual stage's share, summed by the executor over the stages.
+        virtual stage's share, summed by the executor over the stages. ``moe_state``: the local
+        expert biases, which travel with each chunk's layers (their zero gradient is dropped).
         """
         if with_metrics and self.moe_layer is None:
             raise ValueError("with_metrics needs a MoE model (config.moe)")
         m = num_microbatches
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
+        bias = None if moe_state is None else moe_state["expert_bias"]
         losses, g_chunks, g_shared, _, *stage = execute_stages(
-            self._stage_step(mbs["tokens"].shape[1], 1.0 / m, with_metrics), mbs, params["layers"], shared,
+            self._stage_step(mbs["tokens"].shape[1], 1.0 / m, with_metrics), mbs, (params["layers"], bias), shared,
             num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=with_metrics)
         loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
-        grads = None if forward_only else {"layers": g_chunks, **g_shared}
+        grads = None if forward_only else {"layers": g_chunks[0], **g_shared}
         if not with_metrics:
             return grads, loss
         return grads, loss, _sum_sequence_shares(jax.tree.map(lambda *v: sum(v) / m, *stage[0]))
 
     def ddp_forward_backward(self, num_microbatches: int, with_metrics: bool = False):
-        """``forward_backward(params, batch) -> (grads, loss, num_tokens)`` for DDP's train step
-        (``with_metrics``: and the MoE metrics, a fourth element: ``make_train_step(...,
-        loss_metrics=True)``)."""
+        """``forward_backward(params, batch, model_state=None) -> (grads, loss, num_tokens)`` for
+        DDP's train step (``with_metrics``: and the MoE metrics, a fourth element:
+        ``make_train_step(..., loss_metrics=True)``; ``model_state``: the MoE state)."""
 
-        def fn(params, batch):
-            grads, loss, *metrics = self.forward_backward(params, batch, num_microbatches, with_metrics=with_metrics)
+        def fn(params, batch, model_state=None):
+            grads, loss, *metrics = self.forward_backward(params, batch, num_microbatches, with_metrics=with_metrics,
+                                                          moe_state=model_state)
             return grads, loss, jnp.zeros((), jnp.float32), *metrics
 
         return fn
 
-    def eval_loss(self, params: dict, batch: dict, num_microbatches: int) -> jax.Array:
+    def eval_loss(self, params: dict, batch: dict, num_microbatches: int, moe_state: dict | None = None) -> jax.Array:
         """Mean loss of this rank's local batch (forward only; inside ``shard_map``)."""
         if self.pp > 1:
-            return self.forward_backward(params, batch, num_microbatches, forward_only=True)[1]
-        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb), split_microbatches(batch, num_microbatches)))
+            return self.forward_backward(params, batch, num_microbatches, forward_only=True, moe_state=moe_state)[1]
+        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb, moe_state),
+                                split_microbatches(batch, num_microbatches)))
+
+
+def _chunk_bias(moe_state: dict | None, chunk: int) -> jax.Array | None:
+    """Model chunk ``chunk``'s local expert biases ``[n_moe, E]`` (None without MoE state)."""
+    return None if moe_state is None else moe_state["expert_bias"][chunk]
 
 
 def _sum_sequence_shares(metrics: dict) -> dict:

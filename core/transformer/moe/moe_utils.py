@@ -139,13 +139,14 @@ def get_updated_expert_bias(tokens_per_expert: jax.Array, expert_bias: jax.Array
                             axis_name: str | Sequence[str] | None = None) -> jax.Array:
     """Megatron's aux-loss-free bias step: ``bias + rate * sign(mean(tpe) - tpe)``.
 
-    ``tokens_per_expert`` ``[E]`` is what the layer returned (this rank's counts, summed over
-    micro-batches); inside ``shard_map`` pass ``axis_name`` (Megatron: tensor x data x context
-    parallel axes, e.g. ``("dp", "ep", "cp", "tp")``) to sum it over the ranks first. Pure: the
-    trainer stores the result as the layer's ``moe_state`` ``expert_bias``.
+    ``tokens_per_expert`` ``[..., E]`` is what the layer returned (this rank's counts, summed over
+    micro-batches; leading dims, e.g. stacked layers, are updated independently); inside
+    ``shard_map`` pass ``axis_name`` (Megatron: tensor x data x context parallel axes, e.g.
+    ``("dp", "ep", "cp", "tp")``) to sum it over the ranks first. Pure: the trainer stores the
+    result as the layer's ``moe_state`` ``expert_bias``.
     """
     tpe = tokens_per_expert.astype(jnp.float32)
     if axis_name:
         tpe = lax.psum(tpe, tuple([axis_name] if isinstance(axis_name, str) else axis_name))
-    step = jnp.sign(tpe.mean() - tpe) * expert_bias_update_rate
+    step = jnp.sign(tpe.mean(axis=-1, keepdims=True) - tpe) * expert_bias_update_rate
     return (expert_bias.astype(jnp.float32) + step).astype(expert_bias.dtype)
