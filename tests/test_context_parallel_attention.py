@@ -26,6 +26,7 @@ from core.context_parallel import (
     restore_from_cp,
 )
 from core.fusions import fused_attention_available
+from core.models.gpt.causal_attention import softmax_attention
 
 # The module, not the package's re-exported ring_attention function of the same name.
 ring_module = importlib.import_module("core.context_parallel.ring_attention")
@@ -129,6 +130,67 @@ def test_all_gather_rotation_matches_full_causal_attention(cp, load_balanced):
     # The ring with each K/V hop done by an all-gather over "cp" (the CPU backend's rotation
     # inside pipeline stages): the same schedule, so the same result as plain attention.
     _assert_close(*_run(cp, "p2p", load_balanced, kv_heads=2, kv_rotation="all_gather"), atol=1e-5)
+
+
+# Document starts per batch row (S = 64): inside chunks, on chunk edges at cp 4 (8, 40) and cp 2
+# (32), a one-token document, a document over several chunks and ranks; row 1 has two documents.
+DOC_STARTS = ((0, 5, 8, 19, 40, 41, 63), (0, 30))
+
+
+def _segment_ids(seq=S):
+    """``[B, seq]`` document ids (int32) from :data:`DOC_STARTS`."""
+    ids = np.zeros((B, seq), np.int32)
+    for row, starts in enumerate(DOC_STARTS):
+        for start in starts[1:]:
+            ids[row, start:] += 1
+    return ids
+
+
+def _cp_document_fn(cp, comm_type, kv_rotation=None):
+    """Jitted shard_map of load-balanced cp attention with the document mask: local output and q/k/v
+    grads of sum(out * w), everything (segment ids included) split over cp."""
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    spec, seg_spec = P(None, None, "cp", None), P(None, "cp")
+
+    def local(q, k, v, w, seg):
+        def loss(q, k, v):
+            out = context_parallel_attention(q, k, v, comm_type=comm_type, kv_rotation=kv_rotation or "ppermute",
+                                             segment_ids=seg)
+            return jnp.sum(out * w), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (seg_spec,), out_specs=(spec,) * 4,
+                                 check_vma=False))
+
+
+@pytest.mark.parametrize("cp,comm_type,kv_rotation", [(2, "p2p", "ppermute"), (4, "p2p", "ppermute"),
+                                                      (2, "all_gather", None), (4, "all_gather", None),
+                                                      (4, "p2p", "all_gather")])
+def test_document_mask_matches_full_document_causal_attention(cp, comm_type, kv_rotation):
+    # --reset-attention-mask under cp: the segment ids reordered with q/k/v, the ring's K-side ids
+    # rotated with K/V (blocks where a query row has no key of its document must not give NaN).
+    q, k, v, w = _inputs(kv_heads=2)
+    seg = _segment_ids()
+    prep = lambda x: reorder_for_cp(x, cp, seq_axis=2)
+    outs = _cp_document_fn(cp, comm_type, kv_rotation)(*(prep(x) for x in (q, k, v, w)), reorder_for_cp(seg, cp))
+    outs = tuple(restore_from_cp(x, cp, seq_axis=2) for x in outs)
+    ref_out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, jnp.asarray(seg)), q, k, v)
+    refs = (ref_out, *vjp(w))
+    assert all(np.isfinite(np.asarray(x)).all() for x in outs)
+    _assert_close(outs, refs, atol=1e-5)
+    # The mask matters: plain causal attention differs.
+    assert not np.allclose(np.asarray(ref_out), np.asarray(_reference(q, k, v)), atol=1e-3)
+
+
+def test_document_mask_ring_uses_einsum_blocks():
+    # The CPU kernel has only causal or no mask, so the ring's block products are einsums under
+    # the document mask even where the kernel would run (128 tokens, chunks of 32 at cp 2).
+    q, k, v, w = _inputs(seq=128)
+    seg = jnp.zeros((B, 128), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(_cp_document_fn(2, "p2p"))(q, k, v, w, seg))
+    assert "mcj_attention" not in jaxpr
 
 
 @pytest.mark.skipif(not fused_attention_available(), reason="no C++ compiler: einsum block products only")

@@ -46,3 +46,12 @@ def from_grouped(out: jax.Array, layout: str) -> jax.Array:
 def default_scale(q: jax.Array, scale: float | None) -> float:
     """``scale`` or ``1 / sqrt(head_dim)``."""
     return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+
+
+def check_segment_ids(segment_ids: jax.Array, q_grouped: jax.Array) -> jax.Array:
+    """``segment_ids`` as int32 after checking they are ``[b, local seq]`` of the grouped queries
+    ``[b, kv_heads, group, local seq, d]``; raises ``ValueError`` otherwise."""
+    b, s = q_grouped.shape[0], q_grouped.shape[3]
+    if segment_ids.shape != (b, s):
+        raise ValueError(f"segment_ids must be [batch, local seq] = {(b, s)}, got {segment_ids.shape}")
+    return segment_ids.astype(jnp.int32)

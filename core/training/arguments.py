@@ -368,9 +368,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
     cp, tp, s = args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length
     if cp == 1:
         return
-    if args.reset_attention_mask:
-        raise ArgumentError(f"--reset-attention-mask with --context-parallel-size {cp} is not supported yet: the "
-                            "context-parallel attention kernels have no document mask")
     if args.attention_dropout:
         raise ArgumentError(f"--context-parallel-size {cp} with --attention-dropout {args.attention_dropout} is not "
                             "supported yet: the context-parallel attention kernels have no dropout "

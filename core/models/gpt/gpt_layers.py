@@ -267,10 +267,12 @@ class ParallelAttention(nn.Module):
         if cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
             # the host); the kernel masks by global position and exchanges K/V over "cp" (the ring
-            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for).
+            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for). The
+            # segment ids were reordered with the tokens, so they are the local tokens' own.
             out = context_parallel_attention(q, k, v, comm_type=cfg.cp_comm_type, axis_name=CP_AXIS,
                                              causal=True, load_balanced=True, layout=layout,
-                                             kv_rotation=kv_rotation_for(_in_pipeline_stage()))
+                                             kv_rotation=kv_rotation_for(_in_pipeline_stage()),
+                                             segment_ids=ctx.segment_ids)
         else:
             keep = None
             if cfg.attention_dropout and ctx.dropout_seed is not None:
