@@ -66,7 +66,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel._inputs import check_segment_ids, default_scale, from_grouped, to_grouped
+from core.context_parallel._inputs import check_segment_ids, default_scale, from_grouped, grouped_dropout, to_grouped
+from core.context_parallel.dropout import apply_dropout, attention_dropout_mask
+from core.context_parallel.load_balance import cp_positions
 from core.fusions.fused_attention import (
     fused_attention_available,
     fused_attention_backward,
@@ -149,9 +151,11 @@ def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None) -> 
     return s
 
 
-def _block_forward(q, k, v, diag: bool, scale: float, segs=None):
+def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None):
     """One block product: its softmax-normalised output (float32) and row LSE (-inf, output 0, for
-    a row with no key left: possible only under the document mask, ``segs``)."""
+    a row with no key left: possible only under the document mask, ``segs``). ``drop = (keep,
+    rate)`` drops probabilities after the normalisation (the LSE stays the undropped one, so the
+    merge of blocks is unchanged)."""
     s = _scores(q, k, diag, scale, segs)
     m = jnp.max(s, axis=-1, keepdims=True)  # finite without segs: every row has its diagonal key
     if segs is not None:  # a query whose document starts after this key block: exp(-inf - 0) = 0
@@ -159,7 +163,8 @@ def _block_forward(q, k, v, diag: bool, scale: float, segs=None):
     p = jnp.exp(s - m)
     total = jnp.sum(p, axis=-1, keepdims=True)
     safe = jnp.where(total > 0, total, 1.0) if segs is not None else total
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v, preferred_element_type=_F32) / safe
+    pd = p if drop is None else apply_dropout(p, *drop)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", pd.astype(v.dtype), v, preferred_element_type=_F32) / safe
     return out, (m + jnp.log(total))[..., 0]  # log(0) = -inf for an empty row
 
 
@@ -211,23 +216,31 @@ def _merge(acc, block):
     return out * jnp.exp(lse - ref)[..., None] + b_out * jnp.exp(b_lse - ref)[..., None], new
 
 
-def _slot_segs(q_segs, k_seg, n: int):
-    """Per (query slot, key slot) the ``(q_seg, k_seg)`` pair of :func:`_scores`, or all None."""
-    if q_segs is None:
-        return lambda qi, ki: None
-    k_segs = _split_seq(k_seg, n, 1)
-    return lambda qi, ki: (q_segs[qi], k_segs[ki])
+def _block_masks(k_seg, k_pos, q_segs, keys, q_pos, rate: float, n: int):
+    """Per (query slot, key slot) the ``(segs, drop)`` of the block functions, both None when
+    unused: the document mask's ``(q_seg, k_seg)`` and the dropout's ``(keep, rate)``, drawn
+    from the slots' global token indices (``q_pos`` per query slot, ``k_pos`` of the held block)."""
+    k_segs = None if q_segs is None else _split_seq(k_seg, n, 1)
+    k_poss = None if keys is None else jnp.split(k_pos, n)
+
+    def at(qi, ki):
+        segs = None if q_segs is None else (q_segs[qi], k_segs[ki])
+        drop = None if keys is None else (attention_dropout_mask(keys, q_pos[qi], k_poss[ki], rate), rate)
+        return segs, drop
+
+    return at
 
 
-def _forward_products(products, qs, k, v, k_seg, acc, scale, block, q_segs=None):
+def _forward_products(products, qs, k, v, k_seg, k_pos, acc, scale, block, masks):
     """The block products of one ring step merged into the accumulators (``block``: the CPU
-    kernel's block size, or None for einsums; ``q_segs``/``k_seg``: segment ids, or None)."""
+    kernel's block size, or None for einsums; ``masks``: :func:`_block_masks` but for the held
+    block's segment ids and token indices)."""
     ks, vs = _split_seq(k, len(qs), 2), _split_seq(v, len(qs), 2)
-    segs = _slot_segs(q_segs, k_seg, len(qs))
+    at = masks(k_seg, k_pos)
     acc = list(acc)
     for qi, ki, diag in products:
         if block is None:
-            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale, segs(qi, ki))
+            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale, *at(qi, ki))
         else:
             b_out = _kernel_block_forward(qs[qi], ks[ki], vs[ki], diag, scale, block)
         acc[qi] = _merge(acc[qi], b_out)
@@ -273,24 +286,38 @@ def _topology(axis_name, isolated, kv_rotation):
     return cp, lax.axis_index(axis_name) if rank is None else rank, lambda x: x
 
 
-def _block_size(q_chunk, k, v, seg):
-    """:func:`kernel_block`, or None (einsums) under the document mask: the kernel has no
-    arbitrary mask (only causal or none), the einsum path masks by segment id in every block."""
-    return None if seg is not None else kernel_block(q_chunk, k, v)
+def _block_size(q_chunk, k, v, seg, keys):
+    """:func:`kernel_block`, or None (einsums) under the document mask or dropout: the kernel has
+    no arbitrary mask (only causal or none) nor dropout; the einsum path applies both per block."""
+    return None if seg is not None or keys is not None else kernel_block(q_chunk, k, v)
 
 
-def _ring_forward(q, k, v, seg, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+def _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots):
+    """This rank's :func:`_block_masks` (less the held block's ids and indices) and the function
+    from a ring step to the global token indices of the K/V block then held (None without dropout)."""
+    seq = cp * q.shape[3]
+    q_segs = None if seg is None else _split_seq(seg, n_slots, 1)
+    q_pos = None if keys is None else jnp.split(jnp.asarray(cp_positions(rank, seq, cp, load_balanced=load_balanced)),
+                                                n_slots)
+    masks = partial(_block_masks, q_segs=q_segs, keys=keys, q_pos=q_pos, rate=rate, n=n_slots)
+    k_pos = lambda step: None if keys is None else cp_positions(_source(rank, step, cp), seq, cp,
+                                                                load_balanced=load_balanced)
+    return masks, k_pos
+
+
+def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     qs = _split_seq(q, n_slots, 3)
-    q_segs = None if seg is None else _split_seq(seg, n_slots, 1)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
     acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
-    step_fn = partial(_forward_products, scale=scale, block=_block_size(qs[0], k, v, seg), q_segs=q_segs)
+    step_fn = partial(_forward_products, scale=scale, block=_block_size(qs[0], k, v, seg, keys), masks=masks)
 
     def compute(step, kv, acc):
+        pos = k_pos(step)
         return _run_step(table, causal, rank, step, cp,
-                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, a), acc, *kv)
+                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
 
     kv = (k, v, seg)  # the K-side segment ids travel with their K/V block (None: nothing)
     # Send the block on before computing with it: the transfer can overlap the block products.
@@ -309,32 +336,36 @@ def _ring_forward(q, k, v, seg, axis_name, causal, load_balanced, scale, isolate
     return out, lse
 
 
-def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None):
+def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None, drop=None):
     """Flash attention's backward of one block, probabilities recomputed from the saved LSE (the
-    ring's global one, finite: masked keys give exp(-inf) = 0)."""
+    ring's global one, finite: masked keys give exp(-inf) = 0). With dropout, dV reads the dropped
+    probabilities and dP the kept entries; ``delta = rowsum(dO * O)`` of the dropped output is
+    still ``rowsum(P * dP)``."""
     p = jnp.exp(_scores(q, k, diag, scale, segs) - lse[..., None])
-    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=_F32)
+    pd = p if drop is None else apply_dropout(p, *drop)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", pd.astype(do.dtype), do, preferred_element_type=_F32)
     dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=_F32)
+    dp = dp if drop is None else apply_dropout(dp, *drop)
     ds = p * (dp - delta[..., None])
     dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k, preferred_element_type=_F32) * scale
     dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=_F32) * scale
     return dq, dk, dv
 
 
-def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v, k_seg, q_segs=None):
+def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v, k_seg, k_pos, masks):
     """Block gradients of one ring step: dq accumulated locally, this step's dK/dV (float32)
-    returned (``block``: the CPU kernel's block size, or None for einsums; ``q_segs``/``k_seg``:
-    segment ids, or None)."""
+    returned (``block``: the CPU kernel's block size, or None for einsums; ``masks`` as in
+    :func:`_forward_products`)."""
     n = len(qs)
     ks, vs = _split_seq(k, n, 2), _split_seq(v, n, 2)
-    segs = _slot_segs(q_segs, k_seg, n)
+    at = masks(k_seg, k_pos)
     dq = list(dq)
     dks = [jnp.zeros(x.shape, _F32) for x in ks]
     dvs = [jnp.zeros(x.shape, _F32) for x in vs]
     for qi, ki, diag in products:
         if block is None:
             g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale,
-                                            segs(qi, ki))
+                                            *at(qi, ki))
         else:
             g_q, g_k, g_v = _kernel_block_backward(qs[qi], ks[ki], vs[ki], dos[qi], outs[qi], lses[qi], diag,
                                                    scale, block)
@@ -344,13 +375,14 @@ def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, 
     return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
 
 
-def _ring_backward(q, k, v, seg, out, lse, do, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+def _ring_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, isolated,
+                   kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     qs, dos = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3)
-    q_segs = None if seg is None else _split_seq(seg, n_slots, 1)
-    block = _block_size(qs[0], k, v, seg)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    block = _block_size(qs[0], k, v, seg, keys)
     if block is None:
         delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
         outs, deltas = None, _split_seq(delta, n_slots, 3)
@@ -358,11 +390,12 @@ def _ring_backward(q, k, v, seg, out, lse, do, axis_name, causal, load_balanced,
         outs, deltas = _split_seq(out, n_slots, 3), None
     lses = _split_seq(lse, n_slots, 3)
     step_fn = partial(_backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
-                      block=block, q_segs=q_segs)
+                      block=block, masks=masks)
 
     def compute(step, kv, dq):
+        pos = k_pos(step)
         return _run_step(table, causal, rank, step, cp,
-                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss), dq, *kv)
+                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
 
     kv = (k, v, seg)
     dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
@@ -387,23 +420,24 @@ def _ring_backward(q, k, v, seg, out, lse, do, axis_name, causal, load_balanced,
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _ring(q, k, v, seg, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
-    out, _ = _ring_forward(q, k, v, seg, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _ring(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
+    out, _ = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, seg, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
-    out, lse = _ring_forward(q, k, v, seg, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
+def _ring_fwd(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
+    out, lse = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation,
+                             rate)
     out = out.astype(q.dtype)
-    return out, (q, k, v, seg, out, lse)
+    return out, (q, k, v, seg, keys, out, lse)
 
 
-def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, residuals, d_out):
-    q, k, v, seg, out, lse = residuals
-    dq, dk, dv = _ring_backward(q, k, v, seg, out, lse, d_out, axis_name, causal, load_balanced, scale, isolated,
-                                kv_rotation)
-    return dq, dk, dv, None  # integer segment ids have no cotangent
+def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, residuals, d_out):
+    q, k, v, seg, keys, out, lse = residuals
+    dq, dk, dv = _ring_backward(q, k, v, seg, keys, out, lse, d_out, axis_name, causal, load_balanced, scale,
+                                isolated, kv_rotation, rate)
+    return dq, dk, dv, None, None  # integer segment ids and PRNG keys have no cotangent
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -412,6 +446,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
                    load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
                    kv_rotation: str = "ppermute", segment_ids: jax.Array | None = None,
+                   dropout: tuple[jax.Array, float] | None = None,
                    _isolated: tuple[int, int | None] | None = None) -> jax.Array:
     """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
     ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
@@ -427,7 +462,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     :func:`kv_rotation_for`); both give the same result. Raises ``ValueError`` for another value.
     ``segment_ids`` (``[b, local seq]`` ints, in the same order as the local q/k/v) add the
     document mask: a query attends only to keys of its own segment id (``--reset-attention-mask``);
-    the K-side ids travel around the ring with their K/V block.
+    the K-side ids travel around the ring with their K/V block. ``dropout = (keys, rate)``
+    drops attention probabilities: ``keys`` ``[b, heads]`` typed PRNG keys, one per sample and
+    (global) query head, drawn per global (query, key) token index
+    (:func:`~core.context_parallel.dropout.attention_dropout_mask`), so every layout agrees.
 
     ``_isolated = (cp, rank)`` is a benchmark hook (``bench/context_parallel.py``), not attention:
     it runs rank ``rank``'s schedule of a ring of ``cp`` with every K/V hop a no-op, so each step
@@ -439,6 +477,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
         raise ValueError(f"kv_rotation must be one of {KV_ROTATIONS}, got {kv_rotation!r}")
     qg, k, v = to_grouped(q, k, v, layout, load_balanced)
     seg = None if segment_ids is None else check_segment_ids(segment_ids, qg)
-    out = _ring(qg, k, v, seg, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
-                kv_rotation)
+    keys, rate = grouped_dropout(dropout, qg)
+    out = _ring(qg, k, v, seg, keys, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
+                kv_rotation, rate)
     return from_grouped(out, layout)
