@@ -41,6 +41,11 @@ no key in a block (its document starts after the block): that block gives output
 -inf, and the merge weighs it by 0 rather than by the NaN of ``-inf - -inf``; every row keeps
 its own position, so the merged LSE is finite.
 
+Attention dropout (``dropout``). Each block product draws its keep-mask from the global token
+indices of its query and key chunks (``dropout.py``: the values one device draws for the whole
+``[s, s]`` matrix) and drops the block's normalised probabilities; the LSE stays the undropped
+one, so the merge is unchanged, and the backward redraws the same mask.
+
 Block products (:func:`kernel_block`). On the CPU backend, with float32 inputs, chunk length
 and head dim multiples of 16 and the C++ attention kernel built
 (``core/fusions/fused_attention.py``), each block product is one kernel call: causal for a
@@ -52,8 +57,8 @@ with grouped-query attention a block's K/V heads are repeated to the group (and 
 gradients summed back) in memory; only the ring's K/V stay ungrouped. A ``scale`` other than
 ``1 / sqrt(head_dim)`` (the kernel's) is applied to q before the kernel, and to dq after.
 Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``, and under the
-document mask, which the kernel cannot apply) the block products are XLA einsums as before;
-on GPU that is XLA's own dot fusion, not cuDNN's fused attention
+document mask or dropout, which the kernel cannot apply) the block products are XLA einsums as
+before; on GPU that is XLA's own dot fusion, not cuDNN's fused attention
 (``jax.nn.dot_product_attention``'s backward cannot be given the ring's global output and
 LSE). Both paths give the same results up to float rounding.
 """
