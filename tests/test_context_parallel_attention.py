@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from core.context_parallel import (
+    attention_dropout_mask,
     block_products,
     context_parallel_attention,
     cp_positions,
@@ -26,6 +27,7 @@ from core.context_parallel import (
     restore_from_cp,
 )
 from core.fusions import fused_attention_available
+from core.models.gpt.causal_attention import softmax_attention
 
 # The module, not the package's re-exported ring_attention function of the same name.
 ring_module = importlib.import_module("core.context_parallel.ring_attention")
@@ -129,6 +131,93 @@ def test_all_gather_rotation_matches_full_causal_attention(cp, load_balanced):
     # The ring with each K/V hop done by an all-gather over "cp" (the CPU backend's rotation
     # inside pipeline stages): the same schedule, so the same result as plain attention.
     _assert_close(*_run(cp, "p2p", load_balanced, kv_heads=2, kv_rotation="all_gather"), atol=1e-5)
+
+
+# Document starts per batch row (S = 64): inside chunks, on chunk edges at cp 4 (8, 40) and cp 2
+# (32), a one-token document, a document over several chunks and ranks; row 1 has two documents.
+DOC_STARTS = ((0, 5, 8, 19, 40, 41, 63), (0, 30))
+
+
+def _segment_ids(seq=S):
+    """``[B, seq]`` document ids (int32) from :data:`DOC_STARTS`."""
+    ids = np.zeros((B, seq), np.int32)
+    for row, starts in enumerate(DOC_STARTS):
+        for start in starts[1:]:
+            ids[row, start:] += 1
+    return ids
+
+
+def _cp_document_fn(cp, comm_type, kv_rotation=None, dropout_rate=0.0):
+    """Jitted shard_map of load-balanced cp attention with the document mask (and dropout with
+    ``[B, H]`` keys when ``dropout_rate``): local output and q/k/v grads of sum(out * w),
+    everything but the keys (segment ids included) split over cp."""
+    mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
+    spec, seg_spec = P(None, None, "cp", None), P(None, "cp")
+
+    def local(q, k, v, w, seg, keys):
+        def loss(q, k, v):
+            out = context_parallel_attention(q, k, v, comm_type=comm_type, kv_rotation=kv_rotation or "ppermute",
+                                             segment_ids=seg, dropout=(keys, dropout_rate) if dropout_rate else None)
+            return jnp.sum(out * w), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return (out, *grads)
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4 + (seg_spec, P()), out_specs=(spec,) * 4,
+                       check_vma=False)
+    return jax.jit(lambda q, k, v, w, seg, keys=None: fn(q, k, v, w, seg, _KEYS if keys is None else keys))
+
+
+_KEYS = jax.random.split(jax.random.key(7), B * H).reshape(B, H)
+"""Dropout keys, one per (sample, head)."""
+
+
+def _document_run(cp, comm_type, kv_rotation=None, dropout_rate=0.0):
+    """(cp outputs, reference outputs): out, dq, dk, dv of the document-masked (and dropped) cp
+    attention, restored to the original order, and of ``softmax_attention`` on one device."""
+    q, k, v, w = _inputs(kv_heads=2)
+    seg = _segment_ids()
+    prep = lambda x: reorder_for_cp(x, cp, seq_axis=2)
+    fn = _cp_document_fn(cp, comm_type, kv_rotation, dropout_rate)
+    outs = fn(*(prep(x) for x in (q, k, v, w)), reorder_for_cp(seg, cp))
+    outs = tuple(restore_from_cp(x, cp, seq_axis=2) for x in outs)
+    keep = None
+    if dropout_rate:
+        keep = attention_dropout_mask(_KEYS, jnp.arange(S), jnp.arange(S), dropout_rate)
+    ref_out, vjp = jax.vjp(lambda q, k, v: softmax_attention(q, k, v, jnp.asarray(seg), keep, dropout_rate), q, k, v)
+    return outs, (ref_out, *vjp(w))
+
+
+@pytest.mark.parametrize("cp,comm_type,kv_rotation", [(2, "p2p", "ppermute"), (4, "p2p", "ppermute"),
+                                                      (2, "all_gather", None), (4, "all_gather", None),
+                                                      (4, "p2p", "all_gather")])
+def test_document_mask_matches_full_document_causal_attention(cp, comm_type, kv_rotation):
+    # --reset-attention-mask under cp: the segment ids reordered with q/k/v, the ring's K-side ids
+    # rotated with K/V (blocks where a query row has no key of its document must not give NaN).
+    outs, refs = _document_run(cp, comm_type, kv_rotation)
+    assert all(np.isfinite(np.asarray(x)).all() for x in outs)
+    _assert_close(outs, refs, atol=1e-5)
+    # The mask matters: plain causal attention differs.
+    q, k, v, _ = _inputs(kv_heads=2)
+    assert not np.allclose(np.asarray(refs[0]), np.asarray(_reference(q, k, v)), atol=1e-3)
+
+
+@pytest.mark.parametrize("cp,comm_type", [(4, "p2p"), (4, "all_gather")])
+def test_dropout_matches_full_attention(cp, comm_type):
+    # Attention dropout (with the document mask) drawn per global (query, key) token index: every
+    # ring block and the all-gather's rows draw what one device draws for the whole matrix.
+    outs, refs = _document_run(cp, comm_type, dropout_rate=0.2)
+    _assert_close(outs, refs, atol=1e-5)
+    assert not np.allclose(np.asarray(refs[0]), np.asarray(_document_run(1, "all_gather")[1][0]), atol=1e-3)
+
+
+def test_document_mask_ring_uses_einsum_blocks():
+    # The CPU kernel has only causal or no mask, so the ring's block products are einsums under
+    # the document mask even where the kernel would run (128 tokens, chunks of 32 at cp 2).
+    q, k, v, w = _inputs(seq=128)
+    seg = jnp.zeros((B, 128), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(_cp_document_fn(2, "p2p"))(q, k, v, w, seg, _KEYS))
+    assert "mcj_attention" not in jaxpr
 
 
 @pytest.mark.skipif(not fused_attention_available(), reason="no C++ compiler: einsum block products only")

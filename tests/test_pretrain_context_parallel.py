@@ -61,10 +61,11 @@ def test_llama_matches_single_device(llama_reference, tp, pp, extra):
     _assert_matches(layout_records(tp, pp, jax.devices(), ITERS, LLAMA + extra), llama_reference)
 
 
-def test_hidden_dropout_tp2_cp2_sp_do_matches_single_device(llama_reference):
+def test_dropout_tp2_cp2_sp_do_matches_single_device(llama_reference):
     # tp2 cp2 dp2 with SP and the distributed optimizer; the hidden-dropout masks are drawn at the
-    # full sequence and each rank takes the rows of its load-balanced chunks (its SP part of them).
-    dropout = LLAMA + ("--hidden-dropout", "0.1")
+    # full sequence and each rank takes the rows of its load-balanced chunks (its SP part of them);
+    # the attention dropout is drawn per global (query, key) token index in every ring block.
+    dropout = LLAMA + ("--hidden-dropout", "0.1", "--attention-dropout", "0.1")
     reference = _reference(dropout)
     extra = dropout + ("--context-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
                        "--recompute-activations")

@@ -324,21 +324,47 @@ def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
     assert np.isfinite(trainer.evaluate())
 
 
-def test_llama_on_indexed_data_is_layout_invariant(bpe, prefixes):
+def _indexed_llama_losses(bpe, prefixes, tp, pp, devices, *extra):
+    """5 losses of the Llama-class model on the preprocessed blend with every batch field."""
+    flags = TINY + ["--train-iters", "5", *LLAMA, *_data_flags(bpe, prefixes, *ALL_FIELDS),
+                    "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), *extra]
+    args = parse_args(flags)
+    layout = validate_args(args, len(devices))
+    state = ps.build_parallel_state(tp, pp, None, context_parallel_size=layout.context_parallel_size,
+                                    devices=devices)
+    trainer = Pretrainer(args, layout, state)
+    return [trainer.step()["loss"] for _ in range(5)]
+
+
+@pytest.fixture(scope="module")
+def indexed_llama_reference(bpe, prefixes):
+    """:func:`_indexed_llama_losses` on one device."""
+    return _indexed_llama_losses(bpe, prefixes, 1, 1, [jax.local_devices()[0]])
+
+
+def test_llama_on_indexed_data_is_layout_invariant(bpe, prefixes, indexed_llama_reference):
     """The issue's user path: data preprocessed with a BPE, a Llama-class model with Megatron's
     flags, every batch field (document mask, reset positions, EOD loss mask): the same losses at
     tp=2 (SP), pp=2, dp=2 as on one device."""
-    flags = TINY + ["--train-iters", "5", *LLAMA, *_data_flags(bpe, prefixes, *ALL_FIELDS)]
+    losses = _indexed_llama_losses(bpe, prefixes, 2, 2, jax.devices(), "--sequence-parallel")
+    np.testing.assert_allclose(losses, indexed_llama_reference, rtol=1e-4)
 
-    def losses(tp, pp, devices, *extra):
-        args = parse_args(flags + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size",
-                                   str(pp), *extra])
-        layout = validate_args(args, len(devices))
-        trainer = Pretrainer(args, layout, ps.build_parallel_state(tp, pp, None, devices=devices))
-        return [trainer.step()["loss"] for _ in range(5)]
 
-    reference = losses(1, 1, [jax.local_devices()[0]])
-    np.testing.assert_allclose(losses(2, 2, jax.devices(), "--sequence-parallel"), reference, rtol=1e-4)
+@pytest.mark.parametrize("tp,devices,extra", [(1, 4, ()), (2, 8, ("--cp-comm-type", "all_gather",
+                                                                  "--sequence-parallel"))],
+                         ids=["cp2-p2p", "tp2-cp2-all_gather-sp"])
+def test_document_mask_with_context_parallelism(bpe, prefixes, indexed_llama_reference, tp, devices, extra):
+    """Every batch field at cp 2 (segment ids, position ids and loss mask reordered with the
+    tokens; the document mask applied in the ring / the all-gather kernel): the losses of the
+    one-device run, on data whose documents end inside the samples."""
+    args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                              *_data_flags(bpe, prefixes, *ALL_FIELDS)])
+    validate_args(args, 1)
+    data = PretrainingData(args, ps.build_parallel_state(1, 1, None, devices=[jax.local_devices()[0]]))
+    assert (np.diff(data.next_train_host_batch()["segment_ids"], axis=1) > 0).sum() >= 4  # documents end inside
+    losses = _indexed_llama_losses(bpe, prefixes, tp, 1, jax.devices()[:devices], "--context-parallel-size", "2",
+                                   *extra)
+    np.testing.assert_allclose(losses, indexed_llama_reference, rtol=1e-4)
 
 
 def test_model_honours_the_batch_fields(bpe, prefixes):

@@ -6,10 +6,12 @@
   (by an all-gather on the CPU backend inside pipeline stages: :func:`kv_rotation_for`).
 * :mod:`~core.context_parallel.all_gather_attention`: K/V all-gathered, queries local.
 * :mod:`~core.context_parallel.dispatch`: :func:`context_parallel_attention` by ``comm_type``.
+* :mod:`~core.context_parallel.dropout`: attention dropout drawn per global (query, key) index.
 """
 
 from core.context_parallel.all_gather_attention import all_gather_attention
 from core.context_parallel.dispatch import COMM_TYPES, context_parallel_attention
+from core.context_parallel.dropout import attention_dropout_mask
 from core.context_parallel.load_balance import (
     cp_positions,
     load_balance_chunk_order,
@@ -23,6 +25,7 @@ __all__ = [
     "COMM_TYPES",
     "KV_ROTATIONS",
     "all_gather_attention",
+    "attention_dropout_mask",
     "block_products",
     "context_parallel_attention",
     "cp_positions",

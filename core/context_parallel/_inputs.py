@@ -46,3 +46,26 @@ def from_grouped(out: jax.Array, layout: str) -> jax.Array:
 def default_scale(q: jax.Array, scale: float | None) -> float:
     """``scale`` or ``1 / sqrt(head_dim)``."""
     return float(q.shape[-1]) ** -0.5 if scale is None else float(scale)
+
+
+def check_segment_ids(segment_ids: jax.Array, q_grouped: jax.Array) -> jax.Array:
+    """``segment_ids`` as int32 after checking they are ``[b, local seq]`` of the grouped queries
+    ``[b, kv_heads, group, local seq, d]``; raises ``ValueError`` otherwise."""
+    b, s = q_grouped.shape[0], q_grouped.shape[3]
+    if segment_ids.shape != (b, s):
+        raise ValueError(f"segment_ids must be [batch, local seq] = {(b, s)}, got {segment_ids.shape}")
+    return segment_ids.astype(jnp.int32)
+
+
+def grouped_dropout(dropout: tuple[jax.Array, float] | None, q_grouped: jax.Array
+                    ) -> tuple[jax.Array | None, float]:
+    """``(keys, rate)`` with the ``[b, heads]`` keys reshaped to the grouped queries' ``[b,
+    kv_heads, group]`` (query head ``i`` is group ``i // group``, member ``i % group``), or
+    ``(None, 0.0)`` without dropout; raises ``ValueError`` for keys of another shape."""
+    if dropout is None or not dropout[1]:
+        return None, 0.0
+    keys, rate = dropout
+    b, kv_heads, group = q_grouped.shape[:3]
+    if keys.shape != (b, kv_heads * group):
+        raise ValueError(f"dropout keys must be [batch, heads] = {(b, kv_heads * group)}, got {keys.shape}")
+    return keys.reshape(b, kv_heads, group), float(rate)

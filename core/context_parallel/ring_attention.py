@@ -33,6 +33,19 @@ values and schedule, but every hop moves ``cp - 1`` blocks to each rank instead 
 holds ``cp`` blocks for the hop. :func:`kv_rotation_for` picks it on the CPU backend inside
 pipeline stages only.
 
+Document mask (``segment_ids``, ``--reset-attention-mask``). The local segment ids follow the
+load-balanced order like the tokens; the K-side ids travel around the ring with their K/V block
+(forward and backward) and every block product masks keys of another document to -inf, on top
+of the causal schedule above (still no product above the diagonal). A query row can then have
+no key in a block (its document starts after the block): that block gives output 0 and LSE
+-inf, and the merge weighs it by 0 rather than by the NaN of ``-inf - -inf``; every row keeps
+its own position, so the merged LSE is finite.
+
+Attention dropout (``dropout``). Each block product draws its keep-mask from the global token
+indices of its query and key chunks (``dropout.py``: the values one device draws for the whole
+``[s, s]`` matrix) and drops the block's normalised probabilities; the LSE stays the undropped
+one, so the merge is unchanged, and the backward redraws the same mask.
+
 Block products (:func:`kernel_block`). On the CPU backend, with float32 inputs, chunk length
 and head dim multiples of 16 and the C++ attention kernel built
 (``core/fusions/fused_attention.py``), each block product is one kernel call: causal for a
@@ -43,10 +56,11 @@ gives exactly that block's share of the gradients (``D = rowsum(dO * O)`` and
 with grouped-query attention a block's K/V heads are repeated to the group (and their
 gradients summed back) in memory; only the ring's K/V stay ungrouped. A ``scale`` other than
 ``1 / sqrt(head_dim)`` (the kernel's) is applied to q before the kernel, and to dq after.
-Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``) the block
-products are XLA einsums as before; on GPU that is XLA's own dot fusion, not cuDNN's fused
-attention (``jax.nn.dot_product_attention``'s backward cannot be given the ring's global output
-and LSE). Both paths give the same results up to float rounding.
+Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``, and under the
+document mask or dropout, which the kernel cannot apply) the block products are XLA einsums as
+before; on GPU that is XLA's own dot fusion, not cuDNN's fused attention
+(``jax.nn.dot_product_attention``'s backward cannot be given the ring's global output and
+LSE). Both paths give the same results up to float rounding.
 """
 
 from __future__ import annotations
@@ -57,7 +71,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel._inputs import default_scale, from_grouped, to_grouped
+from core.context_parallel._inputs import check_segment_ids, default_scale, from_grouped, grouped_dropout, to_grouped
+from core.context_parallel.dropout import apply_dropout, attention_dropout_mask
+from core.context_parallel.load_balance import cp_positions
 from core.fusions.fused_attention import (
     fused_attention_available,
     fused_attention_backward,
@@ -126,24 +142,35 @@ def _split_seq(x: jax.Array, n: int, axis: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(x, n, axis=axis))
 
 
-def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float) -> jax.Array:
+def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None) -> jax.Array:
     """float32 ``q k^T * scale`` of ``q: [b, h, g, c, d]``, ``k: [b, h, c, d]``; causal-masked to -inf
-    above the diagonal for a diagonal block (query and key chunk at the same global offset)."""
+    above the diagonal for a diagonal block (query and key chunk at the same global offset), and,
+    with ``segs = (q_seg [b, c], k_seg [b, c])``, to -inf between different documents."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=_F32) * scale
     if diag:
         c = s.shape[-1]
         s = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool)), s, -jnp.inf)
+    if segs is not None:
+        q_seg, k_seg = segs
+        s = jnp.where((q_seg[:, :, None] == k_seg[:, None, :])[:, None, None], s, -jnp.inf)
     return s
 
 
-def _block_forward(q, k, v, diag: bool, scale: float):
-    """One block product: its softmax-normalised output (float32) and row LSE."""
-    s = _scores(q, k, diag, scale)
-    m = jnp.max(s, axis=-1, keepdims=True)  # finite: every row has at least its diagonal key
+def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None):
+    """One block product: its softmax-normalised output (float32) and row LSE (-inf, output 0, for
+    a row with no key left: possible only under the document mask, ``segs``). ``drop = (keep,
+    rate)`` drops probabilities after the normalisation (the LSE stays the undropped one, so the
+    merge of blocks is unchanged)."""
+    s = _scores(q, k, diag, scale, segs)
+    m = jnp.max(s, axis=-1, keepdims=True)  # finite without segs: every row has its diagonal key
+    if segs is not None:  # a query whose document starts after this key block: exp(-inf - 0) = 0
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     total = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v, preferred_element_type=_F32) / total
-    return out, (m + jnp.log(total))[..., 0]
+    safe = jnp.where(total > 0, total, 1.0) if segs is not None else total
+    pd = p if drop is None else apply_dropout(p, *drop)
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", pd.astype(v.dtype), v, preferred_element_type=_F32) / safe
+    return out, (m + jnp.log(total))[..., 0]  # log(0) = -inf for an empty row
 
 
 def kernel_block(q_chunk: jax.Array, k: jax.Array, v: jax.Array) -> int | None:
@@ -189,17 +216,36 @@ def _merge(acc, block):
     out, lse = acc
     b_out, b_lse = block
     new = jnp.logaddexp(lse, b_lse)  # the -inf initial LSE contributes exp(-inf) = 0
-    return out * jnp.exp(lse - new)[..., None] + b_out * jnp.exp(b_lse - new)[..., None], new
+    # Both -inf (a row with no key yet, document mask): weigh by exp(-inf - 0) = 0, not by NaN.
+    ref = jnp.where(jnp.isfinite(new), new, 0.0)
+    return out * jnp.exp(lse - ref)[..., None] + b_out * jnp.exp(b_lse - ref)[..., None], new
 
 
-def _forward_products(products, qs, k, v, acc, scale, block):
+def _block_masks(k_seg, k_pos, q_segs, keys, q_pos, rate: float, n: int):
+    """Per (query slot, key slot) the ``(segs, drop)`` of the block functions, both None when
+    unused: the document mask's ``(q_seg, k_seg)`` and the dropout's ``(keep, rate)``, drawn
+    from the slots' global token indices (``q_pos`` per query slot, ``k_pos`` of the held block)."""
+    k_segs = None if q_segs is None else _split_seq(k_seg, n, 1)
+    k_poss = None if keys is None else jnp.split(k_pos, n)
+
+    def at(qi, ki):
+        segs = None if q_segs is None else (q_segs[qi], k_segs[ki])
+        drop = None if keys is None else (attention_dropout_mask(keys, q_pos[qi], k_poss[ki], rate), rate)
+        return segs, drop
+
+    return at
+
+
+def _forward_products(products, qs, k, v, k_seg, k_pos, acc, scale, block, masks):
     """The block products of one ring step merged into the accumulators (``block``: the CPU
-    kernel's block size, or None for einsums)."""
+    kernel's block size, or None for einsums; ``masks``: :func:`_block_masks` but for the held
+    block's segment ids and token indices)."""
     ks, vs = _split_seq(k, len(qs), 2), _split_seq(v, len(qs), 2)
+    at = masks(k_seg, k_pos)
     acc = list(acc)
     for qi, ki, diag in products:
         if block is None:
-            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale)
+            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale, *at(qi, ki))
         else:
             b_out = _kernel_block_forward(qs[qi], ks[ki], vs[ki], diag, scale, block)
         acc[qi] = _merge(acc[qi], b_out)
@@ -245,19 +291,40 @@ def _topology(axis_name, isolated, kv_rotation):
     return cp, lax.axis_index(axis_name) if rank is None else rank, lambda x: x
 
 
-def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+def _block_size(q_chunk, k, v, seg, keys):
+    """:func:`kernel_block`, or None (einsums) under the document mask or dropout: the kernel has
+    no arbitrary mask (only causal or none) nor dropout; the einsum path applies both per block."""
+    return None if seg is not None or keys is not None else kernel_block(q_chunk, k, v)
+
+
+def _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots):
+    """This rank's :func:`_block_masks` (less the held block's ids and indices) and the function
+    from a ring step to the global token indices of the K/V block then held (None without dropout)."""
+    seq = cp * q.shape[3]
+    q_segs = None if seg is None else _split_seq(seg, n_slots, 1)
+    q_pos = None if keys is None else jnp.split(jnp.asarray(cp_positions(rank, seq, cp, load_balanced=load_balanced)),
+                                                n_slots)
+    masks = partial(_block_masks, q_segs=q_segs, keys=keys, q_pos=q_pos, rate=rate, n=n_slots)
+    k_pos = lambda step: None if keys is None else cp_positions(_source(rank, step, cp), seq, cp,
+                                                                load_balanced=load_balanced)
+    return masks, k_pos
+
+
+def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     qs = _split_seq(q, n_slots, 3)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
     acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
-    step_fn = partial(_forward_products, scale=scale, block=kernel_block(qs[0], k, v))
+    step_fn = partial(_forward_products, scale=scale, block=_block_size(qs[0], k, v, seg, keys), masks=masks)
 
     def compute(step, kv, acc):
-        return _run_step(table, causal, rank, step, cp, lambda prods, a, kk, vv: step_fn(prods, qs, kk, vv, a),
-                         acc, *kv)
+        pos = k_pos(step)
+        return _run_step(table, causal, rank, step, cp,
+                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
 
-    kv = (k, v)
+    kv = (k, v, seg)  # the K-side segment ids travel with their K/V block (None: nothing)
     # Send the block on before computing with it: the transfer can overlap the block products.
     nxt = hop(kv) if cp > 1 else kv
     acc = compute(0, kv, acc)
@@ -274,28 +341,36 @@ def _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv
     return out, lse
 
 
-def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float):
-    """Flash attention's backward of one block, probabilities recomputed from the saved LSE."""
-    p = jnp.exp(_scores(q, k, diag, scale) - lse[..., None])
-    dv = jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(do.dtype), do, preferred_element_type=_F32)
+def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None, drop=None):
+    """Flash attention's backward of one block, probabilities recomputed from the saved LSE (the
+    ring's global one, finite: masked keys give exp(-inf) = 0). With dropout, dV reads the dropped
+    probabilities and dP the kept entries; ``delta = rowsum(dO * O)`` of the dropped output is
+    still ``rowsum(P * dP)``."""
+    p = jnp.exp(_scores(q, k, diag, scale, segs) - lse[..., None])
+    pd = p if drop is None else apply_dropout(p, *drop)
+    dv = jnp.einsum("bhgqk,bhgqd->bhkd", pd.astype(do.dtype), do, preferred_element_type=_F32)
     dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=_F32)
+    dp = dp if drop is None else apply_dropout(dp, *drop)
     ds = p * (dp - delta[..., None])
     dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k, preferred_element_type=_F32) * scale
     dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=_F32) * scale
     return dq, dk, dv
 
 
-def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v):
+def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v, k_seg, k_pos, masks):
     """Block gradients of one ring step: dq accumulated locally, this step's dK/dV (float32)
-    returned (``block``: the CPU kernel's block size, or None for einsums)."""
+    returned (``block``: the CPU kernel's block size, or None for einsums; ``masks`` as in
+    :func:`_forward_products`)."""
     n = len(qs)
     ks, vs = _split_seq(k, n, 2), _split_seq(v, n, 2)
+    at = masks(k_seg, k_pos)
     dq = list(dq)
     dks = [jnp.zeros(x.shape, _F32) for x in ks]
     dvs = [jnp.zeros(x.shape, _F32) for x in vs]
     for qi, ki, diag in products:
         if block is None:
-            g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale)
+            g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale,
+                                            *at(qi, ki))
         else:
             g_q, g_k, g_v = _kernel_block_backward(qs[qi], ks[ki], vs[ki], dos[qi], outs[qi], lses[qi], diag,
                                                    scale, block)
@@ -305,12 +380,14 @@ def _backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, 
     return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
 
 
-def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
+def _ring_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, isolated,
+                   kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
     n_slots = 2 if load_balanced else 1
     table = _SCHEDULES[(causal, load_balanced)]
     qs, dos = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3)
-    block = kernel_block(qs[0], k, v)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    block = _block_size(qs[0], k, v, seg, keys)
     if block is None:
         delta = jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1)  # rowsum(dO * O)
         outs, deltas = None, _split_seq(delta, n_slots, 3)
@@ -318,13 +395,14 @@ def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scal
         outs, deltas = _split_seq(out, n_slots, 3), None
     lses = _split_seq(lse, n_slots, 3)
     step_fn = partial(_backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
-                      block=block)
+                      block=block, masks=masks)
 
     def compute(step, kv, dq):
-        return _run_step(table, causal, rank, step, cp, lambda prods, g, kk, vv: step_fn(prods, dq=g, k=kk, v=vv),
-                         dq, *kv)
+        pos = k_pos(step)
+        return _run_step(table, causal, rank, step, cp,
+                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
 
-    kv = (k, v)
+    kv = (k, v, seg)
     dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
     nxt = hop(kv) if cp > 1 else kv
     dq, dk, dv = compute(0, kv, dq)
@@ -347,21 +425,24 @@ def _ring_backward(q, k, v, out, lse, do, axis_name, causal, load_balanced, scal
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _ring(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
-    out, _ = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _ring(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
+    out, _ = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation):
-    out, lse = _ring_forward(q, k, v, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
+def _ring_fwd(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
+    out, lse = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation,
+                             rate)
     out = out.astype(q.dtype)
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, seg, keys, out, lse)
 
 
-def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, residuals, d_out):
-    q, k, v, out, lse = residuals
-    return _ring_backward(q, k, v, out, lse, d_out, axis_name, causal, load_balanced, scale, isolated, kv_rotation)
+def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, residuals, d_out):
+    q, k, v, seg, keys, out, lse = residuals
+    dq, dk, dv = _ring_backward(q, k, v, seg, keys, out, lse, d_out, axis_name, causal, load_balanced, scale,
+                                isolated, kv_rotation, rate)
+    return dq, dk, dv, None, None  # integer segment ids and PRNG keys have no cotangent
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -369,7 +450,9 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
                    load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
-                   kv_rotation: str = "ppermute", _isolated: tuple[int, int | None] | None = None) -> jax.Array:
+                   kv_rotation: str = "ppermute", segment_ids: jax.Array | None = None,
+                   dropout: tuple[jax.Array, float] | None = None,
+                   _isolated: tuple[int, int | None] | None = None) -> jax.Array:
     """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
     ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
 
@@ -382,6 +465,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     :data:`KV_ROTATIONS`) says how a block reaches the next rank: ``"ppermute"``, or
     ``"all_gather"``, the CPU backend's fallback inside pipeline stages (module doc,
     :func:`kv_rotation_for`); both give the same result. Raises ``ValueError`` for another value.
+    ``segment_ids`` (``[b, local seq]`` ints, in the same order as the local q/k/v) add the
+    document mask: a query attends only to keys of its own segment id (``--reset-attention-mask``);
+    the K-side ids travel around the ring with their K/V block. ``dropout = (keys, rate)``
+    drops attention probabilities: ``keys`` ``[b, heads]`` typed PRNG keys, one per sample and
+    (global) query head, drawn per global (query, key) token index
+    (:func:`~core.context_parallel.dropout.attention_dropout_mask`), so every layout agrees.
 
     ``_isolated = (cp, rank)`` is a benchmark hook (``bench/context_parallel.py``), not attention:
     it runs rank ``rank``'s schedule of a ring of ``cp`` with every K/V hop a no-op, so each step
@@ -392,6 +481,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     if kv_rotation not in KV_ROTATIONS:
         raise ValueError(f"kv_rotation must be one of {KV_ROTATIONS}, got {kv_rotation!r}")
     qg, k, v = to_grouped(q, k, v, layout, load_balanced)
-    out = _ring(qg, k, v, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
-                kv_rotation)
+    seg = None if segment_ids is None else check_segment_ids(segment_ids, qg)
+    keys, rate = grouped_dropout(dropout, qg)
+    out = _ring(qg, k, v, seg, keys, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
+                kv_rotation, rate)
     return from_grouped(out, layout)

@@ -367,13 +367,6 @@ def _validate_context_parallel(args: argparse.Namespace) -> None:
     cp, tp, s = args.context_parallel_size, args.tensor_model_parallel_size, args.seq_length
     if cp == 1:
         return
-    if args.reset_attention_mask:
-        raise ArgumentError(f"--reset-attention-mask with --context-parallel-size {cp} is not supported yet: the "
-                            "context-parallel attention kernels have no document mask")
-    if args.attention_dropout:
-        raise ArgumentError(f"--context-parallel-size {cp} with --attention-dropout {args.attention_dropout} is not "
-                            "supported yet: the context-parallel attention kernels have no dropout "
-                            "(--hidden-dropout is supported)")
     # Both comm types read the same load-balanced order: rank r holds chunks r and 2cp-1-r.
     if s % (2 * cp):
         raise ArgumentError(f"--seq-length {s} is not divisible by 2 x --context-parallel-size {cp} = {2 * cp} "

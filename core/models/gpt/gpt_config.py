@@ -212,9 +212,6 @@ class GPTConfig:
             (not self.sequence_parallel or self.seq_length % (self.context_parallel_size * tp) == 0,
              f"seq_length {self.seq_length} is not divisible by context_parallel_size {self.context_parallel_size} x "
              f"tensor_model_parallel_size {tp} = {self.context_parallel_size * tp} (needed by --sequence-parallel)"),
-            (self.context_parallel_size == 1 or self.attention_dropout == 0.0,
-             f"context_parallel_size {self.context_parallel_size} with attention_dropout {self.attention_dropout} is "
-             "not supported yet: the context-parallel attention kernels have no dropout (hidden_dropout is fine)"),
             (self.recompute_granularity in (None, "full"),
              f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}"),
         ]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel import context_parallel_attention, cp_positions, kv_rotation_for
+from core.context_parallel import attention_dropout_mask, context_parallel_attention, cp_positions, kv_rotation_for
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
 from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS
@@ -121,13 +121,20 @@ def hidden_dropout(x: jax.Array, ctx: LayerContext | None, rate: float, site: in
     return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def attention_dropout_keep(ctx: LayerContext, rate: float, local_heads: int, s: int) -> jax.Array:
-    """``[b, local_heads, s, s]`` keep-mask of the attention probabilities: per sample and global
-    head index (this tp rank's heads are ``rank * local_heads ...``) an ``[s, s]`` draw."""
+def attention_dropout_head_keys(ctx: LayerContext, local_heads: int) -> jax.Array:
+    """``[b, local_heads]`` keys of the attention-probability dropout: the sample's key folded with
+    the global head index (this tp rank's heads are ``rank * local_heads ...``)."""
     keys = dropout_keys(ctx.dropout_seed, ctx.layer_index, DROPOUT_ATTENTION_PROBS)
     heads = lax.axis_index(TP_AXIS) * local_heads + jnp.arange(local_heads)
-    draw = lambda k, head: jax.random.bernoulli(jax.random.fold_in(k, head), 1.0 - rate, (s, s))
-    return jax.vmap(lambda k: jax.vmap(lambda head: draw(k, head))(heads))(keys)
+    return jax.vmap(lambda k: jax.vmap(lambda head: jax.random.fold_in(k, head))(heads))(keys)
+
+
+def attention_dropout_keep(ctx: LayerContext, rate: float, local_heads: int, s: int) -> jax.Array:
+    """``[b, local_heads, s, s]`` keep-mask of the attention probabilities, drawn per (query, key)
+    token index (:func:`core.context_parallel.attention_dropout_mask`): the same values a
+    context-parallel rank draws for its blocks."""
+    positions = jnp.arange(s)
+    return attention_dropout_mask(attention_dropout_head_keys(ctx, local_heads), positions, positions, rate)
 
 
 def layer_norm(config: GPTConfig, name: str) -> nn.Module:
@@ -267,10 +274,16 @@ class ParallelAttention(nn.Module):
         if cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
             # the host); the kernel masks by global position and exchanges K/V over "cp" (the ring
-            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for).
+            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for). The
+            # segment ids were reordered with the tokens, so they are the local tokens' own; the
+            # dropout is drawn per global (query, key) index, the values one device draws.
+            dropout = None
+            if cfg.attention_dropout and ctx.dropout_seed is not None:
+                dropout = (attention_dropout_head_keys(ctx, local_heads), cfg.attention_dropout)
             out = context_parallel_attention(q, k, v, comm_type=cfg.cp_comm_type, axis_name=CP_AXIS,
                                              causal=True, load_balanced=True, layout=layout,
-                                             kv_rotation=kv_rotation_for(_in_pipeline_stage()))
+                                             kv_rotation=kv_rotation_for(_in_pipeline_stage()),
+                                             segment_ids=ctx.segment_ids, dropout=dropout)
         else:
             keep = None
             if cfg.attention_dropout and ctx.dropout_seed is not None:
