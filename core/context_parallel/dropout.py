@@ -1,17 +1,31 @@
 """Attention-probability dropout drawn per (query, key) global position, so every layout agrees.
 
-A keep decision is ``bernoulli(fold_in(fold_in(key, q), k), 1 - rate)`` for the query at
-global token index ``q`` and the key at ``k``, with one key per (sample, global head). Any
-block of the ``[s, s]`` probability matrix is therefore drawn from its positions alone: one
-device draws the whole matrix, a context-parallel rank the rows of its load-balanced chunks
-against whichever key block it holds (ring or all-gather), and they agree exactly. The cost is
-two hashes per element instead of one draw of the whole matrix.
+A keep decision is a 32-bit integer hash of the query's global token index ``q``, the key's
+``k`` and a seed per (sample, global head) taken from that head's PRNG key, compared with
+``(1 - rate) * 2**32``. Any block of the ``[s, s]`` probability matrix is therefore drawn from its
+positions alone: one device draws the whole matrix, a context-parallel rank the rows of its
+load-balanced chunks against whichever key block it holds (ring or all-gather), and they agree
+exactly. The hash (Wellons' "lowbias32" mixer, two rounds per element) costs a few integer
+operations per element, less than a threefry draw of the whole matrix (one
+``fold_in``/``bernoulli`` per element would cost three threefry hashes each).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def _mix(x: jax.Array) -> jax.Array:
+    """Wellons' lowbias32: a bijective uint32 hash whose output bits each depend on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+_GOLDEN = jnp.uint32(0x9E3779B9)  # spreads consecutive indices over the whole 32-bit range
 
 
 def attention_dropout_mask(keys: jax.Array, q_pos: jax.Array, k_pos: jax.Array, rate: float) -> jax.Array:
@@ -21,12 +35,14 @@ def attention_dropout_mask(keys: jax.Array, q_pos: jax.Array, k_pos: jax.Array, 
     ``k_pos``: the global token indices (not position ids) of the block's query rows and key
     columns. True keeps a probability (then scaled by ``1 / (1 - rate)``).
     """
-    def one(key, q, k):
-        return jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(key, q), k), 1.0 - rate)
-
-    block = lambda key: jax.vmap(lambda q: jax.vmap(lambda k: one(key, q, k))(k_pos))(q_pos)
-    flat = keys.reshape(-1)
-    return jax.vmap(block)(flat).reshape(*keys.shape, q_pos.shape[0], k_pos.shape[0])
+    data = jax.random.key_data(keys).astype(jnp.uint32)
+    seed = jnp.zeros(keys.shape, jnp.uint32)
+    for i in range(data.shape[-1]):  # every word of the key (2 for threefry)
+        seed = _mix(seed ^ data[..., i])
+    rows = _mix(seed[..., None] ^ (q_pos.astype(jnp.uint32) * _GOLDEN))  # [..., Q]
+    bits = _mix(rows[..., :, None] + k_pos.astype(jnp.uint32) * _GOLDEN)  # [..., Q, K]
+    threshold = min(int(round((1.0 - rate) * 2.0**32)), 2**32 - 1)
+    return bits < jnp.uint32(threshold)
 
 
 def apply_dropout(p: jax.Array, keep: jax.Array | None, rate: float) -> jax.Array:
