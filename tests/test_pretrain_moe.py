@@ -1,7 +1,7 @@
 """Mixture of experts in GPT pretraining (one process, 8 simulated devices, fp32): with experts
 split over ``"ep"`` (and tp + SP, or pp) the loss and the grad norm of every iteration equal the
 single-device run's (relative 1e-4). The model is tiny (2 MoE layers of 8 experts, top-2, aux and
-z losses on, dropless all-to-all with grouped GEMM): on CPU ``ragged_dot`` is a dense masked
+z losses on, dropless all-to-all with grouped GEMM; with cp too, ep2 cp2 layouts): on CPU ``ragged_dot`` is a dense masked
 product. The grad norm checks that the aux losses' gradient enters with the same scale on every
 path (stop-gradient zero at pp=1, the ``attach_aux_loss`` identity across pipeline stages) and that
 expert grads are reduced over the expert-data-parallel group only."""
@@ -135,3 +135,27 @@ def test_cp2_dp4_matches_single_device(reference):
     _assert_matches(records, reference)
     for key in ("moe_aux_loss", "moe_z_loss", "moe_expert_load"):
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)
+
+
+# Expert parallelism with context parallelism: an ep group is the ranks of one cp index (and one
+# dp / ep index), expert grads are reduced over dp / ep x cp. Megatron's ep groups may span cp ranks
+# instead; with dropless routing each token meets the same experts either way, so the losses agree.
+EP2_CP2 = MOE + ("--expert-model-parallel-size", "2", "--context-parallel-size", "2",
+                 "--moe-router-load-balancing-type", "aux_loss")
+
+
+def test_ep2_cp2_dp4_distributed_optimizer_matches_single_device(reference):
+    # Ring (p2p) attention; the distributed optimizer shards expert state over dp / ep x cp = 4 ranks.
+    records = layout_records(1, 1, jax.devices(), ITERS, EP2_CP2 + ("--cp-comm-type", "p2p",
+                                                                    "--use-distributed-optimizer"))
+    _assert_matches(records, reference)
+    _assert_moe_metrics_match(records, reference)
+
+
+def test_tp2_sp_ep2_cp2_dp2_all_gather_matches_single_device(reference):
+    # All-gather attention and the all-gather token dispatcher (dropless: the same sums as all-to-all).
+    records = layout_records(2, 1, jax.devices(), ITERS, EP2_CP2 + ("--cp-comm-type", "all_gather",
+                                                                    "--sequence-parallel",
+                                                                    "--moe-token-dispatcher-type", "allgather"))
+    _assert_matches(records, reference)
+    _assert_moe_metrics_match(records, reference)

@@ -45,7 +45,7 @@ from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_t
 from core.distributed.spiky_loss import check_spiky_loss
 from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
-from core.parallel_state import DP_AXIS, ParallelState
+from core.parallel_state import ParallelState
 from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.utils import split_microbatches
 
@@ -590,14 +590,15 @@ class DistributedDataParallel:
     def broadcast_params(self, params: Any) -> Any:
         """Broadcast params from data-parallel rank 0 to the other data-parallel ranks.
 
-        Each parameter is broadcast over the ranks that hold copies of it: dense parameters over
-        the data-parallel (x context-parallel) group, expert parameters over the
-        expert-data-parallel group only (the ``ep`` ranks hold different experts).
+        Each parameter is broadcast over the ranks that hold copies of it
+        (:meth:`~core.parallel_state.ParallelState.replica_axes`): dense parameters over the
+        data-parallel x context-parallel group, expert parameters over the expert-data-parallel
+        x context-parallel group only (the ``ep`` ranks hold different experts).
         """
         meta = self._require_init()
 
         def broadcast(x, info):
-            axes = self.state.axis_names(DP_AXIS) if info.expert else self.state.data_parallel_with_context_axis_name
+            axes = self.state.replica_axes(info.expert)
             if not axes:
                 return x
             first = lax.axis_index(axes) == 0
