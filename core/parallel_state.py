@@ -186,6 +186,10 @@ class ParallelState:
         and context-parallel rank holds a dense parameter; an expert parameter is split over ep."""
         return self.expert_data_parallel_with_context_axis_name if expert else self.data_parallel_with_context_axis_name
 
+    def replica_size(self, expert: bool) -> int:
+        """Number of ranks along :meth:`replica_axes` (dp x cp, or dp / ep x cp for experts)."""
+        return int(np.prod([self.mesh.shape[a] for a in self.replica_axes(expert)], dtype=int))
+
     # -- groups and coordinates -----------------------------------------------------------
     def groups(self, axes: Sequence[str]) -> list[list[int]]:
         """Global ranks of every group along mesh ``axes`` (major first), like Megatron's groups."""

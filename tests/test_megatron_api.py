@@ -131,6 +131,15 @@ def test_broadcast_params_keeps_each_ep_ranks_experts(cp):
             np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=name)
 
 
+def test_partial_distributed_optimizer_instances_divide_the_expert_group_with_cp():
+    # cp2 ep2: experts have dp / ep x cp = 4 copies, so 4 instances fit (expert dp alone is 2: refused before).
+    state = ps.build_parallel_state(context_parallel_size=2, expert_model_parallel_size=2)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=4), _DenseAndExperts(), SGD)
+    params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
+    assert state.replica_size(expert=True) == 4 and ddp.init_optimizer(params) is not None
+
+
 def test_disable_bucketing_puts_a_buffer_in_one_bucket():
     cfg = DistributedDataParallelConfig(bucket_size=300)
     bucketed, *_ = _mlp_ddp(cfg)

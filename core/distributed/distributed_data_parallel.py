@@ -158,10 +158,10 @@ class DistributedDataParallel:
         leaves, treedef = jax.tree.flatten(params)
         infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
-        dp = self.state.data_parallel_size * self.state.context_parallel_size
+        dp = self.state.replica_size(expert=False)
         specs = build_buffer_specs(
             local_shapes, [x.dtype for x in leaves], infos,
-            data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.expert_data_parallel_size),
+            data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.replica_size(expert=True)),
             bucket_size=None if self.disable_bucketing else self.ddp_config.effective_bucket_size(dp),
             use_distributed_optimizer=self.ddp_config.use_distributed_optimizer,
             grad_reduce_in_fp32=self.ddp_config.grad_reduce_in_fp32,
