@@ -94,9 +94,10 @@ def test_flops_per_token_counts_active_experts():
     assert moe.flops_per_token() - dense.flops_per_token() == 3 * 2 * per_moe_layer
 
 
-def test_checkpoint_resumes_in_another_ep(tmp_path):
-    # A dense layer then a MoE layer ('[0,1]'); saved at ep2 after 2 steps, resumed at ep4: the next
-    # 2 losses equal the uninterrupted ep2 run (experts are saved at their global [E, ...] shape).
+def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
+    # A dense layer then a MoE layer ('[0,1]'); saved at ep2 x cp2 (experts with dp / ep x cp = 4
+    # copies) after 2 steps, resumed at ep4, cp1: the next 2 losses equal the uninterrupted ep2 x cp2
+    # run (experts are saved at their global [E, ...] shape).
     from pretrain_harness import TINY
 
     from core import parallel_state as ps
@@ -106,14 +107,15 @@ def test_checkpoint_resumes_in_another_ep(tmp_path):
     flags = ["--num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
              "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
 
-    def trainer(ep):
+    def trainer(ep, cp):
         args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                                   "--train-iters", "4", "--save", str(tmp_path), *flags,
-                                  "--expert-model-parallel-size", str(ep)])
-        state = ps.build_parallel_state(1, 1, expert_model_parallel_size=ep, devices=jax.devices())
+                                  "--expert-model-parallel-size", str(ep), "--context-parallel-size", str(cp)])
+        state = ps.build_parallel_state(1, 1, context_parallel_size=cp, expert_model_parallel_size=ep,
+                                        devices=jax.devices())
         return Pretrainer(args, validate_args(args, 8), state)
 
-    first = trainer(2)
+    first = trainer(2, 2)
     assert set(first.params["layers"]) == {"dense", "moe"}
     assert first.params["layers"]["moe"]["mlp"]["moe"]["experts"]["weight1"].shape == (1, 1, 4, 64, 32)
     for _ in range(2):
@@ -121,7 +123,7 @@ def test_checkpoint_resumes_in_another_ep(tmp_path):
     first.save(str(tmp_path))
     first.finish_saving()
     expected = [first.step()["loss"] for _ in range(2)]
-    second = trainer(4)
+    second = trainer(4, 1)
     assert second.load(str(tmp_path))
     np.testing.assert_allclose([second.step()["loss"] for _ in range(2)], expected, rtol=1e-4)
 
