@@ -154,7 +154,8 @@ class ParallelState:
 
     @property
     def expert_data_parallel_size(self) -> int:
-        """Expert-data-parallel size: data_parallel_size / expert_model_parallel_size."""
+        """Expert-data-parallel size without cp: data_parallel_size / expert_model_parallel_size
+        (the mesh axis ``"dp"``; Megatron's group, times cp, is :meth:`replica_size` ``(expert=True)``)."""
         return self.data_parallel_size // self.expert_model_parallel_size
 
     def axis_names(self, *tokens: str) -> tuple[str, ...]:
@@ -484,9 +485,10 @@ def get_expert_model_parallel_axis_name() -> str:
     return EP_AXIS
 
 
-def get_expert_data_parallel_axis_name() -> str:
-    """Mesh axis of the expert-data-parallel group (data parallelism left after experts)."""
-    return DP_AXIS
+def get_expert_data_parallel_axis_name() -> tuple[str, ...]:
+    """Mesh axes of the expert-data-parallel group: the data parallelism left after experts, times
+    cp as in Megatron (``("dp",)`` at cp 1, ``("dp", "cp")`` in mesh order otherwise)."""
+    return get_parallel_state().expert_data_parallel_with_context_axis_name
 
 
 def get_data_parallel_axis_name(with_context_parallel: bool = False) -> tuple[str, ...]:
@@ -537,13 +539,13 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_data_parallel_world_size() -> int:
-    """Size of the expert-data-parallel group."""
-    return get_parallel_state().expert_data_parallel_size
+    """Size of the expert-data-parallel group (dp / ep x cp, Megatron's)."""
+    return get_parallel_state().replica_size(expert=True)
 
 
 def get_expert_data_parallel_rank() -> int:
     """This process's expert-data-parallel rank (host value)."""
-    return _size_rank((DP_AXIS,))[1]
+    return _size_rank((DP_AXIS, CP_AXIS))[1]
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:

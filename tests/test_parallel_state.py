@@ -114,6 +114,17 @@ def test_expert_groups_with_context_parallelism_stay_inside_a_cp_rank(order, tp,
     assert state.replica_axes(expert=False) == state.data_parallel_with_context_axis_name
 
 
+def test_expert_data_parallel_getters_include_cp_as_megatron():
+    # Megatron's expert-data-parallel group is world / (tp x ep x pp) ranks: cp included.
+    ps.initialize_model_parallel(context_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        assert ps.get_expert_data_parallel_axis_name() == ("dp", "cp")
+        assert ps.get_expert_data_parallel_world_size() == 4
+        assert 0 <= ps.get_expert_data_parallel_rank() < 4
+    finally:
+        ps.destroy_model_parallel()
+
+
 def test_lax_axis_index_matches_host_group_rank():
     state = ps.build_parallel_state(2, 2)
     axes = ("tp", "pp", state.data_parallel_axis_name)
