@@ -1,8 +1,8 @@
 """Mixture of experts in GPT pretraining (one process, 8 simulated devices, fp32): with experts
 split over ``"ep"`` (and tp + SP, or pp) the loss and the grad norm of every iteration equal the
-single-device run's (relative 1e-4). The model is tiny (2 MoE layers of 8 experts, top-2, aux and
-z losses on, dropless all-to-all with grouped GEMM; with cp too, ep2 cp2 layouts): on CPU ``ragged_dot`` is a dense masked
-product. The grad norm checks that the aux losses' gradient enters with the same scale on every
+single-device run's (relative 1e-4), also with context parallelism (ep 1, and ep 2 x cp 2). The
+model is tiny (2 MoE layers of 8 experts, top-2, aux and z losses on, dropless all-to-all with
+grouped GEMM): on CPU ``ragged_dot`` is a dense masked product. The grad norm checks that the aux losses' gradient enters with the same scale on every
 path (stop-gradient zero at pp=1, the ``attach_aux_loss`` identity across pipeline stages) and that
 expert grads are reduced over the expert-data-parallel group only."""
 
