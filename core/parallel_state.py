@@ -13,8 +13,10 @@ process ``r``'s device when each process has one device.
 
 Expert parallelism lives *inside* data parallelism, as in Megatron: the mesh axis ``"ep"``
 splits the dense data-parallel group into expert-parallel ranks, and the mesh axis ``"dp"``
-is what remains, Megatron's expert-data-parallel group. Dense data parallelism is therefore
-the axis tuple ``("dp", "ep")``; :func:`get_data_parallel_axis_name` returns it.
+is what remains; with ``"cp"`` it forms Megatron's expert-data-parallel group. Dense data
+parallelism is therefore the axis tuple ``("dp", "ep")``; :func:`get_data_parallel_axis_name`
+returns it. With cp > 1 an expert-parallel group stays inside one cp index, where Megatron's
+may span cp ranks (same results with dropless routing; :func:`_check_against_rank_generators`).
 
 Host vs traced ranks. The ``get_*_rank()`` functions are evaluated on the host and return
 this process's coordinate (of its first local device when a process holds several devices).
