@@ -13,8 +13,10 @@ process ``r``'s device when each process has one device.
 
 Expert parallelism lives *inside* data parallelism, as in Megatron: the mesh axis ``"ep"``
 splits the dense data-parallel group into expert-parallel ranks, and the mesh axis ``"dp"``
-is what remains, Megatron's expert-data-parallel group. Dense data parallelism is therefore
-the axis tuple ``("dp", "ep")``; :func:`get_data_parallel_axis_name` returns it.
+is what remains; with ``"cp"`` it forms Megatron's expert-data-parallel group. Dense data
+parallelism is therefore the axis tuple ``("dp", "ep")``; :func:`get_data_parallel_axis_name`
+returns it. With cp > 1 an expert-parallel group stays inside one cp index, where Megatron's
+may span cp ranks (same results with dropless routing; :func:`_check_against_rank_generators`).
 
 Host vs traced ranks. The ``get_*_rank()`` functions are evaluated on the host and return
 this process's coordinate (of its first local device when a process holds several devices).
@@ -154,7 +156,8 @@ class ParallelState:
 
     @property
     def expert_data_parallel_size(self) -> int:
-        """Expert-data-parallel size: data_parallel_size / expert_model_parallel_size."""
+        """Expert-data-parallel size without cp: data_parallel_size / expert_model_parallel_size
+        (the mesh axis ``"dp"``; Megatron's group, times cp, is :meth:`replica_size` ``(expert=True)``)."""
         return self.data_parallel_size // self.expert_model_parallel_size
 
     def axis_names(self, *tokens: str) -> tuple[str, ...]:
@@ -174,6 +177,21 @@ class ParallelState:
     def data_parallel_with_context_axis_name(self) -> tuple[str, ...]:
         """Axis names of the data-parallel x context-parallel group."""
         return self.axis_names(DP_AXIS, EP_AXIS, CP_AXIS)
+
+    @property
+    def expert_data_parallel_with_context_axis_name(self) -> tuple[str, ...]:
+        """Axis names of the expert-data-parallel group: dp / ep x cp (Megatron's includes cp)."""
+        return self.axis_names(DP_AXIS, CP_AXIS)
+
+    def replica_axes(self, expert: bool) -> tuple[str, ...]:
+        """Axes along which a parameter has copies: its grads are reduced (and its distributed-
+        optimizer state sharded) over them and its values broadcast over them. Every data-parallel
+        and context-parallel rank holds a dense parameter; an expert parameter is split over ep."""
+        return self.expert_data_parallel_with_context_axis_name if expert else self.data_parallel_with_context_axis_name
+
+    def replica_size(self, expert: bool) -> int:
+        """Number of ranks along :meth:`replica_axes` (dp x cp, or dp / ep x cp for experts)."""
+        return int(np.prod([self.mesh.shape[a] for a in self.replica_axes(expert)], dtype=int))
 
     # -- groups and coordinates -----------------------------------------------------------
     def groups(self, axes: Sequence[str]) -> list[list[int]]:
@@ -276,24 +294,24 @@ def _validate_sizes(world: int, tp: int, pp: int, vpp: int | None, cp: int, ep: 
 
 
 def _check_against_rank_generators(state: ParallelState) -> None:
-    """The mesh must reproduce Megatron's dense and expert groups; fail loudly otherwise."""
+    """The mesh must reproduce Megatron's dense and expert groups; fail loudly otherwise.
+
+    With cp > 1 and ep > 1 Megatron's expert-parallel groups take ep from the ranks next to tp,
+    across cp, which no mesh axis is; here an expert-parallel group is instead the ranks that share
+    their cp (and dp / ep) coordinate. Dropless routing sends each token to its chosen experts
+    wherever they live, so the results are the same; only which ranks hold which experts differs.
+    """
     s = state
     dense = RankGenerator(s.tensor_model_parallel_size, 1, s.data_parallel_size,
                           s.pipeline_model_parallel_size, s.context_parallel_size, s.order)
-    expert = RankGenerator(s.tensor_model_parallel_size, s.expert_model_parallel_size,
-                           s.expert_data_parallel_size * s.context_parallel_size,
-                           s.pipeline_model_parallel_size, 1, s.order)
     checks = {
         ("dense", "tp"): (dense, (TP_AXIS,)),
         ("dense", "pp"): (dense, (PP_AXIS,)),
         ("dense", "cp"): (dense, (CP_AXIS,)),
         ("dense", "dp"): (dense, s.data_parallel_axis_name),
         ("dense", "dp-cp"): (dense, s.data_parallel_with_context_axis_name),
-        ("expert", "ep"): (expert, (EP_AXIS,)),
-        ("expert", "pp"): (expert, (PP_AXIS,)),
     }
-    if s.context_parallel_size == 1:
-        checks[("expert", "dp")] = (expert, (DP_AXIS,))
+    checks.update(_expert_checks(s))
     for (kind, token), (gen, axes) in checks.items():
         want = sorted(gen.get_ranks(token))
         got = sorted(s.groups(s.axis_names(*axes)))
@@ -302,9 +320,25 @@ def _check_against_rank_generators(state: ParallelState) -> None:
                 f"order {s.order!r} with tp={s.tensor_model_parallel_size}, cp={s.context_parallel_size}, "
                 f"ep={s.expert_model_parallel_size}, dp={s.data_parallel_size}, "
                 f"pp={s.pipeline_model_parallel_size} cannot be expressed as one mesh: Megatron's "
-                f"{kind} {token} groups differ. Put 'ep' directly before 'dp' in the order and use "
-                "context_parallel_size=1 with expert parallelism."
+                f"{kind} {token} groups differ. Put 'ep' directly before 'dp' in the order."
             )
+
+
+def _expert_checks(s: ParallelState) -> dict[tuple[str, str], tuple[RankGenerator, tuple[str, ...]]]:
+    """The expert groups to check: Megatron's expert generator when cp is 1 (or ep is 1); with
+    both > 1 the ep sub-axis of the dense generator (ep groups inside one cp index, see
+    :func:`_check_against_rank_generators`) and the expert-data-parallel group dp/ep x cp."""
+    tp, pp, cp, ep = (s.tensor_model_parallel_size, s.pipeline_model_parallel_size, s.context_parallel_size,
+                      s.expert_model_parallel_size)
+    if cp > 1 and ep > 1:
+        split = RankGenerator(tp, ep, s.expert_data_parallel_size, pp, cp, s.order)
+        return {("expert", "ep"): (split, (EP_AXIS,)), ("expert", "pp"): (split, (PP_AXIS,)),
+                ("expert", "dp-cp"): (split, (DP_AXIS, CP_AXIS))}
+    expert = RankGenerator(tp, ep, s.expert_data_parallel_size * cp, pp, 1, s.order)
+    checks = {("expert", "ep"): (expert, (EP_AXIS,)), ("expert", "pp"): (expert, (PP_AXIS,))}
+    if cp == 1:
+        checks[("expert", "dp")] = (expert, (DP_AXIS,))
+    return checks
 
 
 def build_parallel_state(
@@ -453,9 +487,10 @@ def get_expert_model_parallel_axis_name() -> str:
     return EP_AXIS
 
 
-def get_expert_data_parallel_axis_name() -> str:
-    """Mesh axis of the expert-data-parallel group (data parallelism left after experts)."""
-    return DP_AXIS
+def get_expert_data_parallel_axis_name() -> tuple[str, ...]:
+    """Mesh axes of the expert-data-parallel group: the data parallelism left after experts, times
+    cp as in Megatron (``("dp",)`` at cp 1, ``("dp", "cp")`` in mesh order otherwise)."""
+    return get_parallel_state().expert_data_parallel_with_context_axis_name
 
 
 def get_data_parallel_axis_name(with_context_parallel: bool = False) -> tuple[str, ...]:
@@ -506,13 +541,13 @@ def get_expert_model_parallel_rank() -> int:
 
 
 def get_expert_data_parallel_world_size() -> int:
-    """Size of the expert-data-parallel group."""
-    return get_parallel_state().expert_data_parallel_size
+    """Size of the expert-data-parallel group (dp / ep x cp, Megatron's)."""
+    return get_parallel_state().replica_size(expert=True)
 
 
 def get_expert_data_parallel_rank() -> int:
     """This process's expert-data-parallel rank (host value)."""
-    return _size_rank((DP_AXIS,))[1]
+    return _size_rank((DP_AXIS, CP_AXIS))[1]
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:

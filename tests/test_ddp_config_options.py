@@ -195,7 +195,7 @@ def _reduce(state, ddp_config, values_per_rank, dtype=jnp.float32, size=(64, 4))
     """Reduce one dense and one expert buffer whose grads on rank r are values_per_rank(r)."""
     shapes = [size, (128,)]
     infos = [ParamInfo(P()), ParamInfo(P(), expert=True)]
-    dp = ddp_config.intra_instance_size(state.data_parallel_size, state.expert_data_parallel_size)
+    dp = ddp_config.intra_instance_size(state.replica_size(expert=False), state.replica_size(expert=True))
     specs = build_buffer_specs(shapes, [dtype] * 2, infos, data_parallel_size=dp, bucket_size=None,
                                use_distributed_optimizer=True, grad_reduce_in_fp32=ddp_config.grad_reduce_in_fp32)
     names = state.mesh.axis_names
@@ -225,6 +225,27 @@ def test_partial_reduction_groups_dense_and_expert():
         want_expert = sum(2.0**r for r in state.group_of(rank, ("dp",))) / 8
         assert np.asarray(dense[0]).reshape(8, -1).shape[1] == specs[0].bucket_sizes()[0] // 4
         assert np.asarray(expert[0]).reshape(8, -1).shape[1] == specs[1].bucket_sizes()[0] // 2
+        np.testing.assert_allclose(np.asarray(dense[0]).reshape(8, -1)[d], want_dense)
+        np.testing.assert_allclose(np.asarray(expert[0]).reshape(8, -1)[d], want_expert)
+
+
+def test_partial_reduction_groups_with_context_parallelism():
+    # cp=2, ep=2 (dp 4, expert dp 2), 4 instances: dense grads reduce over dp x cp = 8 ranks in
+    # instances of 2; expert grads over expert-dp x cp = 4 ranks, one rank per instance (the
+    # whole bucket, all-reduced across the instances). Before, the instance check took expert
+    # dp alone (2) and refused this layout.
+    state = ps.build_parallel_state(context_parallel_size=2, expert_model_parallel_size=2)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, num_distributed_optimizer_instances=4)
+    specs, _, (dense, expert), _ = _reduce(state, cfg, lambda r, n: jnp.full(n, 2.0**r))
+    by_rank = {int(r): i for i, r in enumerate(state.device_ranks.ravel())}
+    for rank in range(8):
+        d = by_rank[rank]
+        want_dense = sum(2.0**r for r in state.group_of(rank, state.replica_axes(expert=False))) / 8
+        expert_group = state.group_of(rank, state.replica_axes(expert=True))
+        assert len(expert_group) == 4
+        want_expert = sum(2.0**r for r in expert_group) / 8
+        assert np.asarray(dense[0]).reshape(8, -1).shape[1] == specs[0].bucket_sizes()[0] // 2
+        assert np.asarray(expert[0]).reshape(8, -1).shape[1] == specs[1].bucket_sizes()[0]
         np.testing.assert_allclose(np.asarray(dense[0]).reshape(8, -1)[d], want_dense)
         np.testing.assert_allclose(np.asarray(expert[0]).reshape(8, -1)[d], want_expert)
 

@@ -106,10 +106,12 @@ def _per_device(leaf, value_of):
     return jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
 
 
-def test_broadcast_params_keeps_each_ep_ranks_experts():
-    """ep=2, expert dp=4: dense params come from data-parallel rank 0, experts from expert-dp rank
-    0 of the same ep rank (before, ep rank 0's experts overwrote ep rank 1's)."""
-    state = ps.build_parallel_state(expert_model_parallel_size=2)
+@pytest.mark.parametrize("cp", [1, 2])
+def test_broadcast_params_keeps_each_ep_ranks_experts(cp):
+    """ep=2, expert dp=4 / cp: dense params come from rank 0 of the data-parallel x context-parallel
+    group, experts from rank 0 of the expert-data-parallel x cp group of the same ep rank (before,
+    ep rank 0's experts overwrote ep rank 1's; and at cp 2 the cp ranks' experts went unsynced)."""
+    state = ps.build_parallel_state(context_parallel_size=cp, expert_model_parallel_size=2)
     ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _DenseAndExperts(), SGD)
     params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
     experts = params["params"]["experts"]  # the ep ranks' experts made distinct
@@ -117,21 +119,25 @@ def test_broadcast_params_keeps_each_ep_ranks_experts():
                                                  experts.sharding)
     ranks = {d: int(r) for d, r in zip(state.mesh.devices.flat, state.device_ranks.flat, strict=True)}
 
-    def rank_coordinate(d, axes):
-        return state.group_rank(ranks[d], axes)
+    def skew(leaf, expert):
+        return _per_device(leaf, lambda v, d: v + 100 * state.group_rank(ranks[d], state.replica_axes(expert)))
 
-    skewed = {
-        "params": {
-            "dense": _per_device(params["params"]["dense"],
-                                 lambda v, d: v + 100 * rank_coordinate(d, state.data_parallel_axis_name)),
-            "experts": _per_device(params["params"]["experts"], lambda v, d: v + 100 * rank_coordinate(d, ("dp",))),
-        }
-    }
+    skewed = {"params": {"dense": skew(params["params"]["dense"], False),
+                         "experts": skew(params["params"]["experts"], True)}}
     synced = ddp.broadcast_params(skewed)
     for name in ("dense", "experts"):
         want = np.asarray(params["params"][name])
         for shard in synced["params"][name].addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index], err_msg=name)
+
+
+def test_partial_distributed_optimizer_instances_divide_the_expert_group_with_cp():
+    # cp2 ep2: experts have dp / ep x cp = 4 copies, so 4 instances fit (expert dp alone is 2: refused before).
+    state = ps.build_parallel_state(context_parallel_size=2, expert_model_parallel_size=2)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=4), _DenseAndExperts(), SGD)
+    params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
+    assert state.replica_size(expert=True) == 4 and ddp.init_optimizer(params) is not None
 
 
 def test_disable_bucketing_puts_a_buffer_in_one_bucket():

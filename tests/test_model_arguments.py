@@ -134,8 +134,10 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
     (["--num-experts", "4", "--moe-router-topk", "8"], "--moe-router-topk (8) must not exceed --num-experts (4)"),
     (MOE + ["--tensor-model-parallel-size", "2"], "MoE with --tensor-model-parallel-size 2 needs --sequence-parallel"),
     (MOE + ["--moe-router-enable-expert-bias"], "moe-router-enable-expert-bias needs"),
-    (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "2"],
-     "--expert-model-parallel-size 2 with --context-parallel-size 2 is not supported"),
+    # ep 4 divides dp x cp = 4 but not dp = 2: its groups would span cp ranks (Megatron's can).
+    (MOE + ["--context-parallel-size", "2", "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size",
+            "2"], "--expert-model-parallel-size 4 does not divide the data-parallel size 2 (world / (tp x pp x cp)): "
+                  "expert parallelism is a split of data parallelism (it would cut across --context-parallel-size 2"),
     (MOE + ["--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor needs --moe-token-dispatcher-type "
                                                     "alltoall"),
     (MOE + ["--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", "alltoall"],

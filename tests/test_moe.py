@@ -74,8 +74,8 @@ def _inputs():
 
 
 @functools.cache
-def _state(ep: int = 1, tp: int = 1, devices: int = 8) -> ps.ParallelState:
-    return ps.build_parallel_state(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+def _state(ep: int = 1, tp: int = 1, devices: int = 8, cp: int = 1) -> ps.ParallelState:
+    return ps.build_parallel_state(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, context_parallel_size=cp,
                                    devices=jax.devices()[:devices])
 
 
@@ -83,8 +83,10 @@ def _module(cfg: MoEConfig, tp: int = 1) -> MoELayer:
     return MoELayer(cfg, H, sequence_parallel=tp > 1, batch_axes=DP_AXES)
 
 
-def _x_spec(tp: int) -> P:
-    return P("tp" if tp > 1 else None, DP_AXES)
+def _x_spec(tp: int, cp: int = 1) -> P:
+    """The tokens' [s, b, h] split: s over cp then tp (contiguous: the layer is position-wise), b over dp."""
+    seq = tuple(a for a, n in (("cp", cp), ("tp", tp)) if n > 1)
+    return P(seq or None, DP_AXES)
 
 
 def _key(seed: int = 0) -> jax.Array:
@@ -266,13 +268,13 @@ def _all_axes(state):
 
 
 @functools.cache
-def _layer_fn(name: str, ep: int, tp: int, devices: int, overrides: tuple = ()):
+def _layer_fn(name: str, ep: int, tp: int, devices: int, overrides: tuple = (), cp: int = 1):
     """Jitted ``(params, x, w, scale) -> (y, x grad, stacked local param grads, stacked aux)``."""
     cfg = _config(name, **dict(overrides))
-    state = _state(ep, tp, devices)
+    state = _state(ep, tp, devices, cp)
     module = _module(cfg, tp)
     x, _ = _inputs()
-    boxed = jax.eval_shape(jax.shard_map(module.init, mesh=state.mesh, in_specs=(P(), _x_spec(tp)),
+    boxed = jax.eval_shape(jax.shard_map(module.init, mesh=state.mesh, in_specs=(P(), _x_spec(tp, cp)),
                                         out_specs=P(), check_vma=False), _key(), x)
     specs = jax.tree.map(lambda i: i.partition_spec, param_info_tree(boxed))
     everywhere = P(_all_axes(state))
@@ -286,7 +288,7 @@ def _layer_fn(name: str, ep: int, tp: int, devices: int, overrides: tuple = ()):
         stack = lambda tree: jax.tree.map(lambda a: a[None], tree)
         return y, gx, stack(gp), stack(aux)
 
-    xs = _x_spec(tp)
+    xs = _x_spec(tp, cp)
     fn = jax.jit(jax.shard_map(local, mesh=state.mesh, in_specs=(specs, xs, xs, everywhere),
                                out_specs=(xs, xs, everywhere, everywhere), check_vma=False),
                  compiler_options=FAST_COMPILE)
@@ -294,13 +296,14 @@ def _layer_fn(name: str, ep: int, tp: int, devices: int, overrides: tuple = ()):
 
 
 @functools.cache
-def _run(name: str, ep: int = 1, tp: int = 1, devices: int = 8, overrides: tuple = ()):
+def _run(name: str, ep: int = 1, tp: int = 1, devices: int = 8, overrides: tuple = (), cp: int = 1):
     """The layer's outputs for config ``name`` at a layout (cached), with ``specs`` and ``state``."""
-    return _run_scaled(name, ep, tp, devices, overrides)
+    return _run_scaled(name, ep, tp, devices, overrides, cp=cp)
 
 
-def _run_scaled(name: str, ep: int = 1, tp: int = 1, devices: int = 8, overrides: tuple = (), scale=None):
-    fn, specs, state = _layer_fn(name, ep, tp, devices, overrides)
+def _run_scaled(name: str, ep: int = 1, tp: int = 1, devices: int = 8, overrides: tuple = (), scale=None,
+                cp: int = 1):
+    fn, specs, state = _layer_fn(name, ep, tp, devices, overrides, cp)
     params = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(state.mesh, s)), _initial(name), specs)
     x, w = _inputs()
     scale = np.ones(state.world_size, np.float32) if scale is None else scale
@@ -417,6 +420,13 @@ def test_capacity_dropping_per_rank_at_ep4():
 def test_tensor_sequence_parallel_with_expert_parallel_equals_reference():
     """tp=2 with sequence parallelism x ep=2 x dp=2, sequence aux loss pooled over the tp shards."""
     out, specs, state = _run("seq_aux_shared_swiglu", ep=2, tp=2)
+    _check_against_reference("seq_aux_shared_swiglu", out, specs, state)
+
+
+def test_context_parallel_with_expert_parallel_equals_reference():
+    """cp=2 x ep=2 x dp=2 x tp=2 with SP (ep groups inside one cp index): the sequence aux loss pools
+    each sequence's counts over the cp and tp shards of it, whichever ranks hold the experts."""
+    out, specs, state = _run("seq_aux_shared_swiglu", ep=2, tp=2, cp=2)
     _check_against_reference("seq_aux_shared_swiglu", out, specs, state)
 
 

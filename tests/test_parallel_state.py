@@ -98,6 +98,33 @@ def test_mesh_placement_agrees_with_rank_generator(order, tp, pp, cp, ep):
         assert devs[rank] == dev
 
 
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-pp-ep-dp"])
+@pytest.mark.parametrize("tp,cp,ep", [(1, 2, 2), (2, 2, 2), (1, 2, 4)])
+def test_expert_groups_with_context_parallelism_stay_inside_a_cp_rank(order, tp, cp, ep):
+    # Megatron's expert-parallel groups may span cp ranks; here an ep group shares one cp (and
+    # dp / ep) coordinate, and the expert-data-parallel group is dp / ep x cp.
+    state = ps.build_parallel_state(tp, 1, None, cp, ep, order)
+    for group in state.groups(("ep",)):
+        assert len(group) == ep and len({state.coordinates(r)["cp"] for r in group}) == 1
+    edp_cp = state.groups(state.replica_axes(expert=True))
+    assert {len(g) for g in edp_cp} == {8 // (tp * ep)}
+    for group in edp_cp:
+        assert len({state.coordinates(r)["ep"] for r in group}) == 1
+        assert len({state.coordinates(r)["cp"] for r in group}) == cp
+    assert state.replica_axes(expert=False) == state.data_parallel_with_context_axis_name
+
+
+def test_expert_data_parallel_getters_include_cp_as_megatron():
+    # Megatron's expert-data-parallel group is world / (tp x ep x pp) ranks: cp included.
+    ps.initialize_model_parallel(context_parallel_size=2, expert_model_parallel_size=2)
+    try:
+        assert ps.get_expert_data_parallel_axis_name() == ("dp", "cp")
+        assert ps.get_expert_data_parallel_world_size() == 4
+        assert 0 <= ps.get_expert_data_parallel_rank() < 4
+    finally:
+        ps.destroy_model_parallel()
+
+
 def test_lax_axis_index_matches_host_group_rank():
     state = ps.build_parallel_state(2, 2)
     axes = ("tp", "pp", state.data_parallel_axis_name)
@@ -166,7 +193,9 @@ def test_facade_getters_single_process():
         (dict(context_parallel_size=2, order="tp-dp-pp"), ValueError, r"size of cp is 2.*'tp-dp-pp'"),
         (dict(tensor_model_parallel_size=0), ValueError, r"positive int"),
         (dict(expert_model_parallel_size=3), RuntimeError, r"data_parallel_size \(8\).*expert_model_parallel_size \(3\)"),
-        (dict(context_parallel_size=2, expert_model_parallel_size=2), ValueError, r"cannot be expressed as one mesh"),
+        # ep 8 divides dp x cp but not dp: its groups would span cp ranks (Megatron's may; one mesh cannot).
+        (dict(context_parallel_size=2, expert_model_parallel_size=8), RuntimeError,
+         r"data_parallel_size \(4\).*expert_model_parallel_size \(8\)"),
         (dict(order="tp-xx-dp"), ValueError, r"must name each"),
     ],
 )

@@ -1,8 +1,8 @@
 """Mixture of experts in GPT pretraining (one process, 8 simulated devices, fp32): with experts
 split over ``"ep"`` (and tp + SP, or pp) the loss and the grad norm of every iteration equal the
-single-device run's (relative 1e-4). The model is tiny (2 MoE layers of 8 experts, top-2, aux and
-z losses on, dropless all-to-all with grouped GEMM): on CPU ``ragged_dot`` is a dense masked
-product. The grad norm checks that the aux losses' gradient enters with the same scale on every
+single-device run's (relative 1e-4), also with context parallelism (ep 1, and ep 2 x cp 2). The
+model is tiny (2 MoE layers of 8 experts, top-2, aux and z losses on, dropless all-to-all with
+grouped GEMM): on CPU ``ragged_dot`` is a dense masked product. The grad norm checks that the aux losses' gradient enters with the same scale on every
 path (stop-gradient zero at pp=1, the ``attach_aux_loss`` identity across pipeline stages) and that
 expert grads are reduced over the expert-data-parallel group only."""
 
@@ -94,9 +94,10 @@ def test_flops_per_token_counts_active_experts():
     assert moe.flops_per_token() - dense.flops_per_token() == 3 * 2 * per_moe_layer
 
 
-def test_checkpoint_resumes_in_another_ep(tmp_path):
-    # A dense layer then a MoE layer ('[0,1]'); saved at ep2 after 2 steps, resumed at ep4: the next
-    # 2 losses equal the uninterrupted ep2 run (experts are saved at their global [E, ...] shape).
+def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
+    # A dense layer then a MoE layer ('[0,1]'); saved at ep2 x cp2 (experts with dp / ep x cp = 4
+    # copies) after 2 steps, resumed at ep4, cp1: the next 2 losses equal the uninterrupted ep2 x cp2
+    # run (experts are saved at their global [E, ...] shape).
     from pretrain_harness import TINY
 
     from core import parallel_state as ps
@@ -106,14 +107,15 @@ def test_checkpoint_resumes_in_another_ep(tmp_path):
     flags = ["--num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
              "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]
 
-    def trainer(ep):
+    def trainer(ep, cp):
         args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                                   "--train-iters", "4", "--save", str(tmp_path), *flags,
-                                  "--expert-model-parallel-size", str(ep)])
-        state = ps.build_parallel_state(1, 1, expert_model_parallel_size=ep, devices=jax.devices())
+                                  "--expert-model-parallel-size", str(ep), "--context-parallel-size", str(cp)])
+        state = ps.build_parallel_state(1, 1, context_parallel_size=cp, expert_model_parallel_size=ep,
+                                        devices=jax.devices())
         return Pretrainer(args, validate_args(args, 8), state)
 
-    first = trainer(2)
+    first = trainer(2, 2)
     assert set(first.params["layers"]) == {"dense", "moe"}
     assert first.params["layers"]["moe"]["mlp"]["moe"]["experts"]["weight1"].shape == (1, 1, 4, 64, 32)
     for _ in range(2):
@@ -121,7 +123,7 @@ def test_checkpoint_resumes_in_another_ep(tmp_path):
     first.save(str(tmp_path))
     first.finish_saving()
     expected = [first.step()["loss"] for _ in range(2)]
-    second = trainer(4)
+    second = trainer(4, 1)
     assert second.load(str(tmp_path))
     np.testing.assert_allclose([second.step()["loss"] for _ in range(2)], expected, rtol=1e-4)
 
@@ -135,3 +137,27 @@ def test_cp2_dp4_matches_single_device(reference):
     _assert_matches(records, reference)
     for key in ("moe_aux_loss", "moe_z_loss", "moe_expert_load"):
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)
+
+
+# Expert parallelism with context parallelism: an ep group is the ranks of one cp index (and one
+# dp / ep index), expert grads are reduced over dp / ep x cp. Megatron's ep groups may span cp ranks
+# instead; with dropless routing each token meets the same experts either way, so the losses agree.
+EP2_CP2 = MOE + ("--expert-model-parallel-size", "2", "--context-parallel-size", "2",
+                 "--moe-router-load-balancing-type", "aux_loss")
+
+
+def test_ep2_cp2_dp4_distributed_optimizer_matches_single_device(reference):
+    # Ring (p2p) attention; the distributed optimizer shards expert state over dp / ep x cp = 4 ranks.
+    records = layout_records(1, 1, jax.devices(), ITERS, EP2_CP2 + ("--cp-comm-type", "p2p",
+                                                                    "--use-distributed-optimizer"))
+    _assert_matches(records, reference)
+    _assert_moe_metrics_match(records, reference)
+
+
+def test_tp2_sp_ep2_cp2_dp2_all_gather_matches_single_device(reference):
+    # All-gather attention and the all-gather token dispatcher (dropless: the same sums as all-to-all).
+    records = layout_records(2, 1, jax.devices(), ITERS, EP2_CP2 + ("--cp-comm-type", "all_gather",
+                                                                    "--sequence-parallel",
+                                                                    "--moe-token-dispatcher-type", "allgather"))
+    _assert_matches(records, reference)
+    _assert_moe_metrics_match(records, reference)

@@ -45,7 +45,7 @@ from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_t
 from core.distributed.spiky_loss import check_spiky_loss
 from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
-from core.parallel_state import DP_AXIS, ParallelState
+from core.parallel_state import ParallelState
 from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.utils import split_microbatches
 
@@ -158,10 +158,10 @@ class DistributedDataParallel:
         leaves, treedef = jax.tree.flatten(params)
         infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
-        dp = self.state.data_parallel_size * self.state.context_parallel_size
+        dp = self.state.replica_size(expert=False)
         specs = build_buffer_specs(
             local_shapes, [x.dtype for x in leaves], infos,
-            data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.expert_data_parallel_size),
+            data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.replica_size(expert=True)),
             bucket_size=None if self.disable_bucketing else self.ddp_config.effective_bucket_size(dp),
             use_distributed_optimizer=self.ddp_config.use_distributed_optimizer,
             grad_reduce_in_fp32=self.ddp_config.grad_reduce_in_fp32,
@@ -618,14 +618,15 @@ class DistributedDataParallel:
     def broadcast_params(self, params: Any) -> Any:
         """Broadcast params from data-parallel rank 0 to the other data-parallel ranks.
 
-        Each parameter is broadcast over the ranks that hold copies of it: dense parameters over
-        the data-parallel (x context-parallel) group, expert parameters over the
-        expert-data-parallel group only (the ``ep`` ranks hold different experts).
+        Each parameter is broadcast over the ranks that hold copies of it
+        (:meth:`~core.parallel_state.ParallelState.replica_axes`): dense parameters over the
+        data-parallel x context-parallel group, expert parameters over the expert-data-parallel
+        x context-parallel group only (the ``ep`` ranks hold different experts).
         """
         meta = self._require_init()
 
         def broadcast(x, info):
-            axes = self.state.axis_names(DP_AXIS) if info.expert else self.state.data_parallel_with_context_axis_name
+            axes = self.state.replica_axes(info.expert)
             if not axes:
                 return x
             first = lax.axis_index(axes) == 0

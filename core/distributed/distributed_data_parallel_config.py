@@ -104,7 +104,7 @@ class DistributedDataParallelConfig:
     def intra_instance_size(self, data_parallel_size: int, expert_data_parallel_size: int | None = None) -> int:
         """Ranks per distributed-optimizer instance: ``data_parallel_size`` (dp x cp) divided by
         ``num_distributed_optimizer_instances``. Raises ``ValueError`` when it, or the expert
-        data-parallel size, does not divide."""
+        data-parallel size (expert-dp x cp: the expert grads' reduction group), does not divide."""
         n = self.num_distributed_optimizer_instances
         if data_parallel_size % n:
             raise ValueError(f"data-parallel x context-parallel size {data_parallel_size} is not divisible by "

@@ -59,16 +59,14 @@ from core.distributed.param_and_grad_buffer import (
     flatten_to_buckets,
     unflatten_bucket,
 )
-from core.parallel_state import CP_AXIS, DP_AXIS, ParallelState
+from core.parallel_state import ParallelState
 
 Buckets = tuple[jax.Array, ...]
 
 
 def reduction_axes(spec: BufferSpec, state: ParallelState) -> tuple[str, ...]:
     """Mesh axes a buffer's gradients are reduced (and sharded) over."""
-    if spec.key.is_expert_parallel:  # Megatron's expert-data-parallel group: dp x cp without ep
-        return state.axis_names(DP_AXIS, CP_AXIS)
-    return state.data_parallel_with_context_axis_name
+    return state.replica_axes(spec.key.is_expert_parallel)
 
 
 def axes_size(state: ParallelState, axes: Sequence[str]) -> int:

@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MoE layers: N (every Nth layer, starting at layer 0) or a list of 0/1 per layer, "
                         "e.g. '[0,1,1,1]' (default 1: every layer)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="experts split over this many ranks (a split of data parallelism)")
+                   help="experts split over this many ranks (a split of data parallelism; must divide "
+                        "world / (tp x pp x cp), works with --context-parallel-size)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="expert MLP width (default --ffn-hidden-size)")
     g.add_argument("--moe-router-topk", type=int, default=None, help="experts per token (default 2)")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
@@ -335,13 +336,11 @@ def _validate_moe(args: argparse.Namespace, dp: int) -> int:
         raise ArgumentError(f"--num-experts ({args.num_experts}) must be divisible by --expert-model-parallel-size "
                             f"({ep})")
     if dp % ep:
+        # Megatron's ep groups may span cp ranks; one mesh cannot, so ep must split dp alone.
+        across = (f" (it would cut across --context-parallel-size {args.context_parallel_size}, which one device "
+                  "mesh cannot express)" if (dp * args.context_parallel_size) % ep == 0 else "")
         raise ArgumentError(f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} "
-                            "(world / (tp x pp x cp)): expert parallelism is a split of data parallelism")
-    if args.context_parallel_size > 1 and ep > 1:
-        # Megatron's expert groups take ep from the ranks next to tp, across cp: not one mesh axis.
-        raise ArgumentError(f"--expert-model-parallel-size {ep} with --context-parallel-size "
-                            f"{args.context_parallel_size} is not supported (Megatron's expert-parallel groups "
-                            "cut across cp, which one device mesh cannot express); use one of the two")
+                            f"(world / (tp x pp x cp)): expert parallelism is a split of data parallelism{across}")
     try:
         moe_config(args).validate(ep, args.tensor_model_parallel_size, args.sequence_parallel)
     except ValueError as e:
