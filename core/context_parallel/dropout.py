@@ -25,7 +25,9 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
-_GOLDEN = jnp.uint32(0x9E3779B9)  # spreads consecutive indices over the whole 32-bit range
+_GOLDEN = 0x9E3779B9
+"""Spreads consecutive indices over the whole 32-bit range (a Python int: a jnp constant at import
+would start JAX's backend before the launcher sets the CPU device count)."""
 
 
 def attention_dropout_mask(keys: jax.Array, q_pos: jax.Array, k_pos: jax.Array, rate: float) -> jax.Array:
@@ -39,8 +41,8 @@ def attention_dropout_mask(keys: jax.Array, q_pos: jax.Array, k_pos: jax.Array, 
     seed = jnp.zeros(keys.shape, jnp.uint32)
     for i in range(data.shape[-1]):  # every word of the key (2 for threefry)
         seed = _mix(seed ^ data[..., i])
-    rows = _mix(seed[..., None] ^ (q_pos.astype(jnp.uint32) * _GOLDEN))  # [..., Q]
-    bits = _mix(rows[..., :, None] + k_pos.astype(jnp.uint32) * _GOLDEN)  # [..., Q, K]
+    rows = _mix(seed[..., None] ^ (q_pos.astype(jnp.uint32) * jnp.uint32(_GOLDEN)))  # [..., Q]
+    bits = _mix(rows[..., :, None] + k_pos.astype(jnp.uint32) * jnp.uint32(_GOLDEN))  # [..., Q, K]
     threshold = min(int(round((1.0 - rate) * 2.0**32)), 2**32 - 1)
     return bits < jnp.uint32(threshold)
 
