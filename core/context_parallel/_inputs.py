@@ -57,6 +57,12 @@ def check_segment_ids(segment_ids: jax.Array, q_grouped: jax.Array) -> jax.Array
     return segment_ids.astype(jnp.int32)
 
 
+def mask_other_documents(s: jax.Array, q_seg: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """Grouped scores ``s [b, kv_heads, group, q, k]`` set to -inf where the query's segment id
+    (``q_seg [b, q]``) differs from the key's (``k_seg [b, k]``): the document mask."""
+    return jnp.where((q_seg[:, :, None] == k_seg[:, None, :])[:, None, None], s, -jnp.inf)
+
+
 def grouped_dropout(dropout: tuple[jax.Array, float] | None, q_grouped: jax.Array
                     ) -> tuple[jax.Array | None, float]:
     """``(keys, rate)`` with the ``[b, heads]`` keys reshaped to the grouped queries' ``[b,

@@ -19,7 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from core.context_parallel._inputs import check_segment_ids, default_scale, from_grouped, grouped_dropout, to_grouped
+from core.context_parallel._inputs import (
+    check_segment_ids,
+    default_scale,
+    from_grouped,
+    grouped_dropout,
+    mask_other_documents,
+    to_grouped,
+)
 from core.context_parallel.dropout import apply_dropout, attention_dropout_mask
 from core.context_parallel.load_balance import cp_positions
 
@@ -56,7 +63,7 @@ def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name:
     if segment_ids is not None:
         q_seg = check_segment_ids(segment_ids, qg)
         k_seg = lax.all_gather(q_seg, axis_name, axis=1, tiled=True)  # same order as k_all
-        s = jnp.where((q_seg[:, :, None] == k_seg[:, None, :])[:, None, None], s, -jnp.inf)
+        s = mask_other_documents(s, q_seg, k_seg)
     p = jax.nn.softmax(s, axis=-1)  # every query row keeps at least its own position
     keys, rate = grouped_dropout(dropout, qg)
     if keys is not None:

@@ -71,7 +71,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel._inputs import check_segment_ids, default_scale, from_grouped, grouped_dropout, to_grouped
+from core.context_parallel._inputs import (
+    check_segment_ids,
+    default_scale,
+    from_grouped,
+    grouped_dropout,
+    mask_other_documents,
+    to_grouped,
+)
 from core.context_parallel.dropout import apply_dropout, attention_dropout_mask
 from core.context_parallel.load_balance import cp_positions
 from core.fusions.fused_attention import (
@@ -151,8 +158,7 @@ def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None) -> 
         c = s.shape[-1]
         s = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool)), s, -jnp.inf)
     if segs is not None:
-        q_seg, k_seg = segs
-        s = jnp.where((q_seg[:, :, None] == k_seg[:, None, :])[:, None, None], s, -jnp.inf)
+        s = mask_other_documents(s, *segs)
     return s
 
 
