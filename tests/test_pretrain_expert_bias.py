@@ -94,3 +94,11 @@ def test_ep2_dp4_matches_single_device(reference, pipelined):
     assert trainer.load(directory)
     np.testing.assert_array_equal(_bias(trainer), records[1]["bias"])
     _assert_matches(_run(trainer, ITERS - 2), records[2:])
+
+
+def test_tp2_sp_cp2_ep2_matches_single_device(reference):
+    # tp2 with SP, cp2 (the load-balanced ring) and ep2 over dp2: every rank routes its own part of
+    # the sequence, and the bias moves by the counts summed over all of them.
+    trainer = layout_trainer(2, 1, jax.devices(), ITERS, BIAS + ("--expert-model-parallel-size", "2",
+                                                                  "--context-parallel-size", "2", "--sequence-parallel"))
+    _assert_matches(_run(trainer, ITERS), reference)
