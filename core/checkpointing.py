@@ -228,9 +228,14 @@ _COORDINATION_TIMEOUT_MS = 3600 * 1000
 _collective_ids = itertools.count()  # every process makes the same collective calls in the same order
 
 
+def _call_key(call_id: int, name: str) -> str:
+    """The coordination-service key ``name`` (no slashes) of collective call ``call_id``."""
+    return f"megatron_core_jax/checkpointing/{call_id}/{name}"
+
+
 def _unique_key(name: str) -> str:
     """A coordination-service key no other call of this run uses (``name``: no slashes)."""
-    return f"megatron_core_jax/checkpointing/{next(_collective_ids)}/{name}"
+    return _call_key(next(_collective_ids), name)
 
 
 def _barrier(key: str) -> None:
@@ -327,7 +332,7 @@ def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_ke
     marker, renames the tmp dir to the step and drops old steps; then every process returns.
     A failure on any process is raised on every process, and nothing is committed."""
     tmp = os.path.join(directory, f"{step}{_TMP_INFIX}{save_id}")
-    key = f"megatron_core_jax/checkpointing/save-{save_id}"
+    key = _call_key(save_id, "save")  # save_id was drawn in the caller's order: the same on every process
     multi = jax.process_count() > 1
     client = ocp.multihost.get_jax_distributed_client() if multi else None
     error: BaseException | None = None

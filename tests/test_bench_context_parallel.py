@@ -30,6 +30,8 @@ def test_quick_run_figures_and_report(tmp_path):
         assert (r["ratio"] < 1) == (r["cp"] > 1)
     assert set(res["memory_ratios"]) == set(bench_cp.COMM_TYPES)
     assert all(0 < x < 1 for x in res["memory_ratios"].values())
+    # Both kernels save q, k, v, the output and the row LSE of the local rows: exactly 1/cp.
+    assert res["saved_ratios"] == {comm: 0.25 for comm in bench_cp.COMM_TYPES}
 
     assert all(_positive(total) for total in res["grid"].values())
     for comm in bench_cp.COMM_TYPES:

@@ -1,22 +1,25 @@
 """All-gather context-parallel attention (Megatron's ``--cp-comm-type all_gather``, MaxText's default).
 
-Each rank keeps its local queries and all-gathers K/V over the cp axis, then runs ordinary
-masked attention against the whole (reordered) sequence. Simpler than the ring and with one
-collective per tensor, but the gather cannot overlap the compute and every rank holds the full
-K/V plus a ``[local, global]`` score matrix. Plain differentiable ops: under ``shard_map``
-autodiff the transpose of ``lax.all_gather`` is a reduce-scatter, which sums every rank's
-contribution to a K/V block's gradient onto its owner. The causal mask compares global
-positions (:func:`core.context_parallel.load_balance.cp_positions`), so the load-balanced chunk
-order is respected; masked blocks are computed and discarded, not skipped. The document mask
-(``segment_ids``) gathers the segment ids over cp with K/V and ands their equality into the mask;
-dropout draws the local rows against all keys by global token index (``dropout.py``).
+Each rank keeps its local queries and all-gathers K/V over the cp axis once, then runs the ring's
+blockwise schedule (``ring_attention.py``) over the gathered blocks without any further exchange:
+at step ``t`` rank ``r`` computes against source rank ``(r - t) mod cp``'s block, read from the
+gathered K/V instead of received from a neighbour. So it has the ring's properties but for the
+communication: the same block products (the CPU kernel where it applies, einsums elsewhere),
+blocks above the causal diagonal skipped, float32 online softmax, the document mask and
+attention dropout per block, and a custom backward that saves only q, k, v, the output and the
+LSE (memory linear in the sequence, no ``[local, global]`` score matrix). The backward gathers
+K/V again, accumulates each source block's dK/dV into a ``[cp, ...]`` float32 buffer and
+reduce-scatters it over cp (``lax.psum_scatter``), which sums every rank's share of a block's
+gradients onto its owner. One collective per tensor and direction; unlike the ring's hops it
+cannot overlap the compute, and every rank holds the full K/V and its gradient buffer.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from core.context_parallel._inputs import (
@@ -24,13 +27,115 @@ from core.context_parallel._inputs import (
     default_scale,
     from_grouped,
     grouped_dropout,
-    mask_other_documents,
     to_grouped,
 )
-from core.context_parallel.dropout import apply_dropout, attention_dropout_mask
-from core.context_parallel.load_balance import cp_positions
+from core.context_parallel.ring_attention import (
+    _F32,
+    _SCHEDULES,
+    _backward_products,
+    _block_size,
+    _forward_products,
+    _masks_and_positions,
+    _run_step,
+    _source,
+    _split_seq,
+)
 
-_F32 = jnp.float32
+
+def _gather(x, axis_name: str):
+    """``x`` of every cp rank stacked on a new leading axis in rank order (None stays None)."""
+    return jax.tree.map(lambda a: lax.all_gather(a, axis_name), x)
+
+
+def _held(gathered, rank, step, cp):
+    """The (k, v, segment ids) block of the source rank of ``step`` (the ring's schedule)."""
+    src = _source(rank, step, cp)
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, src, 0, keepdims=False), gathered)
+
+
+def _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate):
+    cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n_slots = 2 if load_balanced else 1
+    table = _SCHEDULES[(causal, load_balanced)]
+    qs = _split_seq(q, n_slots, 3)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    step_fn = partial(_forward_products, scale=scale, block=_block_size(qs[0], k, v, seg, keys), masks=masks)
+
+    def compute(step, kv, acc):
+        pos = k_pos(step)
+        return _run_step(table, causal, rank, step, cp,
+                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
+
+    acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
+    acc = compute(0, (k, v, seg), acc)  # the own block: step 0, the diagonal case
+    if cp > 1:
+        gathered = _gather((k, v, seg), axis_name)
+        acc = lax.fori_loop(1, cp, lambda step, acc: compute(step, _held(gathered, rank, step, cp), acc), acc)
+    return jnp.concatenate([o for o, _ in acc], axis=3), jnp.concatenate([lse for _, lse in acc], axis=3)
+
+
+def _gathered_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, rate):
+    cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    n_slots = 2 if load_balanced else 1
+    table = _SCHEDULES[(causal, load_balanced)]
+    qs, dos, lses = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3), _split_seq(lse, n_slots, 3)
+    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    block = _block_size(qs[0], k, v, seg, keys)
+    if block is None:
+        outs, deltas = None, _split_seq(jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1), n_slots, 3)
+    else:  # the kernel computes rowsum(dO * O) itself from the global output
+        outs, deltas = _split_seq(out, n_slots, 3), None
+    step_fn = partial(_backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
+                      block=block, masks=masks)
+
+    def compute(step, kv, dq):
+        pos = k_pos(step)
+        return _run_step(table, causal, rank, step, cp,
+                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
+
+    dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
+    dq, dk, dv = compute(0, (k, v, seg), dq)
+    if cp > 1:
+        gathered = _gather((k, v, seg), axis_name)
+
+        def add_at(buf, step, x):  # buf[source of step] += x
+            src = _source(rank, step, cp)
+            return lax.dynamic_update_index_in_dim(buf, lax.dynamic_index_in_dim(buf, src, 0, keepdims=False) + x,
+                                                   src, 0)
+
+        def body(step, carry):
+            dq, dk_all, dv_all = carry
+            dq, g_k, g_v = compute(step, _held(gathered, rank, step, cp), dq)
+            return dq, add_at(dk_all, step, g_k), add_at(dv_all, step, g_v)
+
+        # Step 0's block is this rank's own (source = rank).
+        dk_all = add_at(jnp.zeros((cp, *k.shape), _F32), 0, dk)
+        dv_all = add_at(jnp.zeros((cp, *v.shape), _F32), 0, dv)
+        dq, dk_all, dv_all = lax.fori_loop(1, cp, body, (dq, dk_all, dv_all))
+        # Row i of every rank's buffer holds its share of rank i's block gradients: sum onto rank i.
+        dk, dv = (lax.psum_scatter(x, axis_name, scatter_dimension=0) for x in (dk_all, dv_all))
+    return jnp.concatenate(dq, axis=3).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _gathered(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate):
+    return _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate)[0].astype(q.dtype)
+
+
+def _gathered_fwd(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate):
+    out, lse = _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, seg, keys, out, lse)
+
+
+def _gathered_bwd(axis_name, causal, load_balanced, scale, rate, residuals, d_out):
+    q, k, v, seg, keys, out, lse = residuals
+    dq, dk, dv = _gathered_backward(q, k, v, seg, keys, out, lse, d_out, axis_name, causal, load_balanced, scale,
+                                    rate)
+    return dq, dk, dv, None, None  # integer segment ids and PRNG keys have no cotangent
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
@@ -43,30 +148,11 @@ def all_gather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name:
     Arguments as :func:`core.context_parallel.ring_attention.ring_attention`: local q/k/v in
     ``layout``, K/V heads may divide the query heads (GQA), ``load_balanced`` says the local
     sequence is chunks ``r`` and ``2cp-1-r``, ``segment_ids`` (``[b, local seq]``, optional) the
-    document mask, ``dropout = (keys [b, heads], rate)`` the attention dropout. float32 scores
-    and softmax.
+    document mask, ``dropout = (keys [b, heads], rate)`` the attention dropout. float32 scores,
+    softmax and accumulators; ``scale`` defaults to ``1 / sqrt(head_dim)``.
     """
     qg, k, v = to_grouped(q, k, v, layout, load_balanced)
-    scale = default_scale(q, scale)
-    cp = lax.axis_size(axis_name)
-    local = qg.shape[3]
-    # tiled=True concatenates the ranks' local sequences in rank order: the reordered global sequence.
-    k_all = lax.all_gather(k, axis_name, axis=2, tiled=True)
-    v_all = lax.all_gather(v, axis_name, axis=2, tiled=True)
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k_all, preferred_element_type=_F32) * scale
-    seq = cp * local
-    q_pos = cp_positions(lax.axis_index(axis_name), seq, cp, load_balanced=load_balanced)
-    # Key positions are the same on every rank: a host constant.
-    k_pos = jnp.asarray(np.concatenate([cp_positions(i, seq, cp, load_balanced=load_balanced) for i in range(cp)]))
-    if causal:
-        s = jnp.where(q_pos[:, None] >= k_pos[None, :], s, -jnp.inf)
-    if segment_ids is not None:
-        q_seg = check_segment_ids(segment_ids, qg)
-        k_seg = lax.all_gather(q_seg, axis_name, axis=1, tiled=True)  # same order as k_all
-        s = mask_other_documents(s, q_seg, k_seg)
-    p = jax.nn.softmax(s, axis=-1)  # every query row keeps at least its own position
+    seg = None if segment_ids is None else check_segment_ids(segment_ids, qg)
     keys, rate = grouped_dropout(dropout, qg)
-    if keys is not None:
-        p = apply_dropout(p, attention_dropout_mask(keys, q_pos, k_pos, rate), rate)
-    out = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v_all.dtype), v_all, preferred_element_type=_F32)
-    return from_grouped(out.astype(q.dtype), layout)
+    out = _gathered(qg, k, v, seg, keys, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), rate)
+    return from_grouped(out, layout)
