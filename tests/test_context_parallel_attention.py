@@ -30,7 +30,7 @@ from core.fusions import fused_attention_available
 from core.models.gpt.causal_attention import softmax_attention
 
 # The module, not the package's re-exported ring_attention function of the same name.
-ring_module = importlib.import_module("core.context_parallel.ring_attention")
+blocks_module = importlib.import_module("core.context_parallel._blocks")
 
 B, H, S, D = 2, 4, 64, 16
 
@@ -227,23 +227,23 @@ def test_ring_block_products_use_the_cpu_kernel(cp, kv_heads, scale, monkeypatch
     # Diagonal blocks run the causal kernel, full ones the unmasked kernel (forward, and backward
     # with the global out/LSE); the einsum path gives the same values and grads.
     q, k, v, _ = _inputs(kv_heads, seq=128)
-    assert ring_module.kernel_block(jnp.zeros((B, kv_heads, H // kv_heads, 128 // (2 * cp), D)), k, v) == 128 // (2 * cp)
+    assert blocks_module.kernel_block(jnp.zeros((B, kv_heads, H // kv_heads, 128 // (2 * cp), D)), k, v) == 128 // (2 * cp)
     jaxpr = str(jax.make_jaxpr(_cp_fn(cp, "p2p", True, True, scale=scale))(q, k, v, q))
     assert "mcj_attention_forward" in jaxpr and "mcj_attention_backward" in jaxpr
     outs, refs = _run(cp, "p2p", True, kv_heads=kv_heads, seq=128, scale=scale)
     _assert_close(outs, refs, atol=2e-5)
-    monkeypatch.setattr(ring_module, "fused_attention_available", lambda: False)
+    monkeypatch.setattr(blocks_module, "fused_attention_available", lambda: False)
     assert "mcj_attention" not in str(jax.make_jaxpr(_cp_fn(cp, "p2p", True, True, scale=scale))(q, k, v, q))
     _assert_close(outs, _run(cp, "p2p", True, kv_heads=kv_heads, seq=128, scale=scale)[0], atol=2e-5)
 
 
 def test_ring_kernel_only_on_cpu_float32_multiples_of_16(monkeypatch):
     q, k = jnp.zeros((1, 2, 2, 32, 16)), jnp.zeros((1, 2, 64, 16))
-    assert ring_module.kernel_block(q, k, k) in (None, 32)  # None: kernel not built here
-    assert ring_module.kernel_block(q[..., :24, :], k, k) is None
-    assert ring_module.kernel_block(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16)) is None
+    assert blocks_module.kernel_block(q, k, k) in (None, 32)  # None: kernel not built here
+    assert blocks_module.kernel_block(q[..., :24, :], k, k) is None
+    assert blocks_module.kernel_block(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), k.astype(jnp.bfloat16)) is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # XLA's einsums off the CPU backend
-    assert ring_module.kernel_block(q, k, k) is None
+    assert blocks_module.kernel_block(q, k, k) is None
 
 
 def test_kv_rotation_is_all_gather_only_on_cpu_inside_pipeline_stages(monkeypatch):
@@ -408,7 +408,7 @@ def test_skipped_blocks_not_computed(load_balanced, kernel, monkeypatch):
     if kernel and not fused_attention_available():
         pytest.skip("no C++ compiler: einsum block products only")
     if not kernel:
-        monkeypatch.setattr(ring_module, "fused_attention_available", lambda: False)
+        monkeypatch.setattr(blocks_module, "fused_attention_available", lambda: False)
     cp = 4
     mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
     spec = P(None, None, "cp", None)

@@ -9,6 +9,7 @@
 * :mod:`~core.context_parallel.dropout`: attention dropout drawn per global (query, key) index.
 """
 
+from core.context_parallel._blocks import block_products
 from core.context_parallel.all_gather_attention import all_gather_attention
 from core.context_parallel.dispatch import COMM_TYPES, context_parallel_attention
 from core.context_parallel.dropout import attention_dropout_mask
@@ -19,7 +20,7 @@ from core.context_parallel.load_balance import (
     reorder_for_cp,
     restore_from_cp,
 )
-from core.context_parallel.ring_attention import KV_ROTATIONS, block_products, kv_rotation_for, ring_attention
+from core.context_parallel.ring_attention import KV_ROTATIONS, kv_rotation_for, ring_attention
 
 __all__ = [
     "COMM_TYPES",

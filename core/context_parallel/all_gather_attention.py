@@ -22,23 +22,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.context_parallel._blocks import (
+    F32,
+    SCHEDULES,
+    backward_products,
+    block_size_for,
+    forward_products,
+    masks_and_positions,
+    run_step,
+    source_rank,
+    split_seq,
+)
 from core.context_parallel._inputs import (
     check_segment_ids,
     default_scale,
     from_grouped,
     grouped_dropout,
     to_grouped,
-)
-from core.context_parallel.ring_attention import (
-    _F32,
-    _SCHEDULES,
-    _backward_products,
-    _block_size,
-    _forward_products,
-    _masks_and_positions,
-    _run_step,
-    _source,
-    _split_seq,
 )
 
 
@@ -49,24 +49,24 @@ def _gather(x, axis_name: str):
 
 def _held(gathered, rank, step, cp):
     """The (k, v, segment ids) block of the source rank of ``step`` (the ring's schedule)."""
-    src = _source(rank, step, cp)
+    src = source_rank(rank, step, cp)
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, src, 0, keepdims=False), gathered)
 
 
 def _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate):
     cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n_slots = 2 if load_balanced else 1
-    table = _SCHEDULES[(causal, load_balanced)]
-    qs = _split_seq(q, n_slots, 3)
-    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    step_fn = partial(_forward_products, scale=scale, block=_block_size(qs[0], k, v, seg, keys), masks=masks)
+    table = SCHEDULES[(causal, load_balanced)]
+    qs = split_seq(q, n_slots, 3)
+    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    step_fn = partial(forward_products, scale=scale, block=block_size_for(qs[0], k, v, seg, keys), masks=masks)
 
     def compute(step, kv, acc):
         pos = k_pos(step)
-        return _run_step(table, causal, rank, step, cp,
+        return run_step(table, causal, rank, step, cp,
                          lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
 
-    acc = tuple((jnp.zeros(x.shape, _F32), jnp.full(x.shape[:-1], -jnp.inf, _F32)) for x in qs)
+    acc = tuple((jnp.zeros(x.shape, F32), jnp.full(x.shape[:-1], -jnp.inf, F32)) for x in qs)
     acc = compute(0, (k, v, seg), acc)  # the own block: step 0, the diagonal case
     if cp > 1:
         gathered = _gather((k, v, seg), axis_name)
@@ -77,29 +77,29 @@ def _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scal
 def _gathered_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, rate):
     cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
     n_slots = 2 if load_balanced else 1
-    table = _SCHEDULES[(causal, load_balanced)]
-    qs, dos, lses = _split_seq(q, n_slots, 3), _split_seq(do, n_slots, 3), _split_seq(lse, n_slots, 3)
-    masks, k_pos = _masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    block = _block_size(qs[0], k, v, seg, keys)
+    table = SCHEDULES[(causal, load_balanced)]
+    qs, dos, lses = split_seq(q, n_slots, 3), split_seq(do, n_slots, 3), split_seq(lse, n_slots, 3)
+    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    block = block_size_for(qs[0], k, v, seg, keys)
     if block is None:
-        outs, deltas = None, _split_seq(jnp.sum(do.astype(_F32) * out.astype(_F32), axis=-1), n_slots, 3)
+        outs, deltas = None, split_seq(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), n_slots, 3)
     else:  # the kernel computes rowsum(dO * O) itself from the global output
-        outs, deltas = _split_seq(out, n_slots, 3), None
-    step_fn = partial(_backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
+        outs, deltas = split_seq(out, n_slots, 3), None
+    step_fn = partial(backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
                       block=block, masks=masks)
 
     def compute(step, kv, dq):
         pos = k_pos(step)
-        return _run_step(table, causal, rank, step, cp,
+        return run_step(table, causal, rank, step, cp,
                          lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
 
-    dq = tuple(jnp.zeros(x.shape, _F32) for x in qs)
+    dq = tuple(jnp.zeros(x.shape, F32) for x in qs)
     dq, dk, dv = compute(0, (k, v, seg), dq)
     if cp > 1:
         gathered = _gather((k, v, seg), axis_name)
 
         def add_at(buf, step, x):  # buf[source of step] += x
-            src = _source(rank, step, cp)
+            src = source_rank(rank, step, cp)
             return lax.dynamic_update_index_in_dim(buf, lax.dynamic_index_in_dim(buf, src, 0, keepdims=False) + x,
                                                    src, 0)
 
@@ -109,8 +109,8 @@ def _gathered_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load
             return dq, add_at(dk_all, step, g_k), add_at(dv_all, step, g_v)
 
         # Step 0's block is this rank's own (source = rank).
-        dk_all = add_at(jnp.zeros((cp, *k.shape), _F32), 0, dk)
-        dv_all = add_at(jnp.zeros((cp, *v.shape), _F32), 0, dv)
+        dk_all = add_at(jnp.zeros((cp, *k.shape), F32), 0, dk)
+        dv_all = add_at(jnp.zeros((cp, *v.shape), F32), 0, dv)
         dq, dk_all, dv_all = lax.fori_loop(1, cp, body, (dq, dk_all, dv_all))
         # Row i of every rank's buffer holds its share of rank i's block gradients: sum onto rank i.
         dk, dv = (lax.psum_scatter(x, axis_name, scatter_dimension=0) for x in (dk_all, dv_all))
