@@ -10,6 +10,10 @@ download; under 8 minutes on one H100/H200).
    ``launch/pretrain.py`` for 30 iterations and reports tokens/s, model TFLOP/s and MFU per GPU
    (against the datasheet dense bf16 peak), peak memory, compile time (first iteration minus a
    steady one) and the whole process's time.
+5. With ``--moe`` (off by default: about 3 more minutes), the same for a MoE GPT (12 layers,
+   hidden 1024, 8 experts top-2 of FFN 2048, dropless all-to-all, ``ragged_dot`` grouped GEMM)
+   and the dense GPT of equal active parameters (FFN 4096), and their step-time ratio (the
+   MoE issue's target: <= 1.5x).
 
 Writes ``bench/results/gpu_<device>.md`` and prints it. ``--smoke`` runs the same steps with
 tiny shapes (it runs on the CPU too: the test suite checks the script that way). Each step runs
@@ -42,6 +46,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--gpt-flags", default="", help="extra launch/pretrain.py flags (e.g. --scan-layers)")
+    p.add_argument("--moe", action="store_true", help="also time a MoE GPT against the dense one of equal active "
+                   "parameters (step 5)")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
     p.add_argument("--part", choices=["info", "attention"], default=None, help=argparse.SUPPRESS)  # a child step
     return p.parse_args()
@@ -96,23 +102,48 @@ def time_attention(shape: tuple[int, int, int, int], reps: int) -> dict[str, flo
     return times
 
 
+SMOKE_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+SMOKE_BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4"]
+
+
+def _training(a: argparse.Namespace) -> list[str]:
+    return ["--bf16", "--train-iters", str(a.iters), "--log-interval", "1", "--eval-interval", "1000000", "--lr",
+            "3e-4", "--lr-warmup-iters", "2", "--no-progress-bar"]
+
+
 def gpt_flags(a: argparse.Namespace) -> list[str]:
     """The launch/pretrain.py flags of the benchmark GPT."""
     if a.smoke:
-        shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
-        batch = ["--micro-batch-size", "2", "--global-batch-size", "4"]
+        shape, batch = SMOKE_SHAPE, SMOKE_BATCH
     else:
         shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
         batch = ["--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size)]
-    return [*shape, *batch, "--bf16", "--train-iters", str(a.iters), "--log-interval", "1", "--eval-interval",
-            "1000000", "--lr", "3e-4", "--lr-warmup-iters", "2", "--no-progress-bar", *a.gpt_flags.split()]
+    return [*shape, *batch, *_training(a), *a.gpt_flags.split()]
 
 
-def train_gpt(a: argparse.Namespace) -> dict:
-    """Run launch/pretrain.py (one process, every local GPU); summarise its metrics file."""
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+       "--moe-aux-loss-coeff", "0.01"]
+"""Step 5's MoE: 8 experts, top-2, dropless all-to-all, grouped GEMM, Megatron's aux loss."""
+
+
+def moe_vs_dense_flags(a: argparse.Namespace) -> dict[str, list[str]]:
+    """Step 5's two GPTs: the MoE (every layer; each expert half the dense FFN, top-2) and the dense
+    GPT of equal active parameters."""
+    if a.smoke:
+        shape, batch, ffn = SMOKE_SHAPE, SMOKE_BATCH, 128
+    else:
+        shape = ["--num-layers", "12", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "2048"]
+        batch, ffn = ["--micro-batch-size", "4", "--global-batch-size", "8"], 4096
+    common = [*shape, *batch, *_training(a)]
+    return {"dense": [*common, "--ffn-hidden-size", str(ffn)],
+            "moe": [*common, *MOE, "--moe-ffn-hidden-size", str(ffn // 2)]}
+
+
+def train_gpt(flags: list[str]) -> dict:
+    """Run launch/pretrain.py with ``flags`` (one process, every local GPU); summarise its metrics file."""
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
-        cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *gpt_flags(a), "--metrics-file", str(metrics),
+        cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *flags, "--metrics-file", str(metrics),
                "--compilation-cache-dir", str(Path(tmp) / "xla-cache")]  # a cold compile, measured
         start = time.perf_counter()
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
@@ -131,6 +162,25 @@ def train_gpt(a: argparse.Namespace) -> dict:
             "memory_gib": max(r["memory_per_device_bytes"] for r in records) / 2**30,
             "compile_s": records[0]["step_time_s"] - step, "first_loss": records[0]["loss"],
             "last_loss": records[-1]["loss"], "process_s": wall}
+
+
+def moe_report(runs: dict[str, dict], flags: dict[str, list[str]]) -> list[str]:
+    """Step 5's lines: the dense and MoE rows and the MoE / dense step ratio."""
+    lines = ["MoE GPT against the dense GPT of equal active parameters (one process, every local GPU; "
+             "target: MoE step <= 1.5x dense):", ""]
+    for name in runs:
+        lines.append(f"    {name}: launch/pretrain.py {' '.join(flags[name])}")
+    lines += ["", "| model | tokens/s | step s | model TFLOP/s/GPU | MFU | peak memory GiB | compile s |",
+              "|---|---|---|---|---|---|---|"]
+    for name, run in runs.items():
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error']} | | | | | |")
+            continue
+        lines.append(f"| {name} | {run['tokens_per_sec']:.0f} | {run['step_s']:.3f} | {run['tflops_per_device']:.1f} "
+                     f"| {100 * run['mfu']:.1f}% | {run['memory_gib']:.1f} | {run['compile_s']:.1f} |")
+    if not any("error" in run for run in runs.values()):
+        lines += ["", f"MoE step / dense step: **{runs['moe']['step_s'] / runs['dense']['step_s']:.2f}**"]
+    return lines + [""]
 
 
 def report(info: dict, tests: dict | None, attention: dict, attention_shape, gpt: dict, flags: list[str]) -> str:
@@ -202,9 +252,14 @@ def main() -> None:
     attention = _child("attention", a)
     print(f"> attention ms: {attention}", flush=True)
     flags = gpt_flags(a)
-    gpt = train_gpt(a)
+    gpt = train_gpt(flags)
     print(f"> GPT: {gpt}", flush=True)
     text = report(info, tests, attention, shape, gpt, flags)
+    if a.moe:
+        moe_flags = moe_vs_dense_flags(a)
+        runs = {name: train_gpt(f) for name, f in moe_flags.items()}
+        print(f"> MoE vs dense: {runs}", flush=True)
+        text += "\n" + "\n".join(moe_report(runs, moe_flags))
     name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -72,3 +72,63 @@ def test_cpu_settings_stay_off_and_mfu_uses_the_datasheet():
     peak = device_peak(jnp.bfloat16)
     kind = jax.devices()[0].device_kind
     assert peak.source == ("datasheet" if datasheet_peak(kind, "bfloat16") else "measured"), (kind, peak)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_context_parallel_blocks_run_xla_on_the_gpu_and_match_causal_attention(comm_type):
+    """A cp mesh of one GPU runs the load-balanced block schedule (chunks 0 and 1 of 2, already in
+    order at cp=1) with XLA's einsum blocks: fp32 values and grads equal the model's attention, and
+    bf16 stays within bf16's tolerance of them."""
+    from functools import partial
+
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from core.context_parallel import context_parallel_attention
+    from core.context_parallel._blocks import kernel_block
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("cp",))
+    spec = P(None, "cp")
+    attention = partial(context_parallel_attention, comm_type=comm_type, layout="bsnd")
+    cp_attention = lambda q, k, v: jax.shard_map(attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    q, k, v = qkv((2, 256, 4, 64), jnp.float32, qk_scale=1.0)
+    assert kernel_block(jnp.zeros((2, 4, 1, 128, 64)), k, v) is None  # the CPU kernel only on the CPU backend
+    with jax.default_matmul_precision("highest"):
+        want = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", "xla"), q, k, v)
+        _close(_value_and_grads(cp_attention, q, k, v), want, 1e-4)
+    bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+    _close(_value_and_grads(cp_attention, *bf16), want, 3e-2)
+
+
+def test_grouped_gemm_runs_ragged_dot_and_matches_the_expert_loop():
+    """The MoE experts' grouped GEMM off the CPU is ``lax.ragged_dot``: values and both grads equal a
+    loop over the experts (fp32, highest precision); rows past the groups give zeros."""
+    from core.transformer.moe.grouped_gemm import grouped_gemm
+
+    rng = np.random.default_rng(0)
+    m, k, n, e = 512, 64, 96, 8
+    sizes = np.bincount(rng.integers(0, e, m - 37), minlength=e)
+    lhs, rhs, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((m, k), (e, k, n), (m, n)))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    assert "ragged_dot" in str(jax.make_jaxpr(grouped_gemm)(lhs, rhs, group_sizes))
+
+    def loop(lhs, rhs, group_sizes):
+        out, start = jnp.zeros((m, n), jnp.float32), 0
+        for g, size in enumerate(sizes):
+            out = out.at[start:start + size].set(lhs[start:start + size] @ rhs[g])
+            start += size
+        return out
+
+    with jax.default_matmul_precision("highest"):
+        got, want = (jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, group_sizes) * w), argnums=(0, 1)))(
+            lhs, rhs) for f in (grouped_gemm, loop))
+    _close(got, want, 1e-4)
+
+
+def test_moe_bf16_pretraining_learns():
+    from pretrain_harness import layout_losses
+
+    moe = ("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-grouped-gemm",
+           "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall")
+    losses = layout_losses(1, 1, jax.devices()[:1], iters=20, extra=("--bf16", "--lr", "3e-3", *moe))
+    assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
