@@ -20,4 +20,4 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     assert "GPU test set: 0 passed, 0 failed" in text  # collected and skipped off the GPU
     assert "| package `causal_attention` |" in text and "GPT pretraining" in text
     assert "GPT training failed" not in text
-    assert "| moe |" in text and "failed" not in text and "MoE step / dense step: **" in text
+    assert "| moe |" in text and "failed:" not in text and "MoE step / dense step: **" in text
