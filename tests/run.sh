@@ -14,10 +14,13 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 
 # Two pytest-xdist workers (TEST_WORKERS) share level 1 file by file: most of its time is XLA
-# compiling small programs, one thread each, so a second worker uses the second core.
+# compiling small programs, one thread each, so a second worker uses the second core. Files go
+# out in collection order, the slowest first (tests/conftest.py), not xdist's most-tests-first.
 WORKERS=${TEST_WORKERS:-2}
 XDIST=()
-if [ "$WORKERS" -gt 1 ] && python -c "import xdist" 2>/dev/null; then XDIST=(-n "$WORKERS" --dist loadfile); fi
+if [ "$WORKERS" -gt 1 ] && python -c "import xdist" 2>/dev/null; then
+    XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
+fi
 echo "=== level 1: single process, 8 simulated devices (${WORKERS} workers)"
 timeout --signal=KILL "${SINGLE_TIMEOUT:-2400}" python -m pytest -q -p no:randomly -m "not gpu" "${XDIST[@]}" \
     --junitxml="$OUT/single.xml" "$@" tests

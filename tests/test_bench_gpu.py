@@ -13,11 +13,36 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     out = tmp_path / "gpu.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--moe", "--iters", "3",
-                             "--out", str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--iters", "3", "--out",
+                             str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = out.read_text()
     assert "GPU test set: 0 passed, 0 failed" in text  # collected and skipped off the GPU
     assert "| package `causal_attention` |" in text and "GPT pretraining" in text
     assert "GPT training failed" not in text
-    assert "| moe |" in text and "failed:" not in text and "MoE step / dense step: **" in text
+
+
+def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
+    # --moe's two launches (the GPT launch itself is the smoke run's): flags the launcher accepts
+    # (equal active parameters: 2 experts of half the dense FFN), and the report's ratio.
+    import argparse
+    import importlib.util
+
+    from core.training.arguments import parse_args, validate_args
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    for smoke in (True, False):
+        flags = bench_gpu.moe_vs_dense_flags(argparse.Namespace(smoke=smoke, iters=3))
+        one_gpu = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+        dense, moe = (parse_args(flags[name] + one_gpu) for name in ("dense", "moe"))
+        for args in (dense, moe):
+            validate_args(args, 1)
+        assert moe.num_experts == 8 and moe.moe_router_topk * moe.moe_ffn_hidden_size == dense.ffn_hidden_size
+    row = {"tokens_per_sec": 1000.0, "step_s": 0.5, "tflops_per_device": 100.0, "mfu": 0.4, "memory_gib": 10.0,
+           "compile_s": 30.0}
+    text = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {**row, "step_s": 0.6}}, flags))
+    assert "| moe | 1000 | 0.600 |" in text and "MoE step / dense step: **1.20**" in text
+    failed = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {"error": "exit 1"}}, flags))
+    assert "| moe | failed: exit 1 |" in failed and "MoE step / dense step" not in failed

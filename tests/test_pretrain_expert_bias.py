@@ -12,7 +12,7 @@ from pretrain_harness import layout_trainer
 ITERS = 4
 RATE = 0.01  # large enough to change the top-k choice of this tiny model within a few steps
 EXPERTS = 8
-BIAS = ("--num-layers", "4", "--num-experts", str(EXPERTS), "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+BIAS = ("--num-layers", "2", "--num-experts", str(EXPERTS), "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
         "--moe-layer-freq", "1", "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm",
         "--moe-router-dtype", "fp32", "--moe-router-score-function", "sigmoid",
         "--moe-router-load-balancing-type", "none", "--moe-router-enable-expert-bias",
@@ -50,7 +50,7 @@ def _assert_matches(records: list[dict], reference: list[dict]) -> None:
 
 
 def test_bias_follows_the_logged_load(reference):
-    before = np.zeros((4, EXPERTS), np.float32)
+    before = np.zeros((2, EXPERTS), np.float32)
     for record in reference:
         tpe = record["tpe"]  # averaged over microbatches and dp: the sign of mean - tpe is the global count's
         expected = before + RATE * np.sign(tpe.mean(axis=-1, keepdims=True) - tpe)
@@ -62,15 +62,14 @@ def test_bias_follows_the_logged_load(reference):
 
 @pytest.fixture(scope="module")
 def pipelined(tmp_path_factory):
-    """The ep2 pp2 vpp2 dp2 run, its trainer, and the checkpoint it saved after iteration 2."""
+    """The ep2 pp2 dp2 run, its trainer, and the checkpoint it saved after iteration 2."""
     directory = str(tmp_path_factory.mktemp("bias_ckpt"))
-    trainer = layout_trainer(1, 2, jax.devices(), ITERS, BIAS + ("--expert-model-parallel-size", "2",
-                                                                  "--virtual-pipeline-model-parallel-size", "2"))
+    trainer = layout_trainer(1, 2, jax.devices(), ITERS, BIAS + ("--expert-model-parallel-size", "2"))
     return _run(trainer, ITERS, save_to=directory, save_at=2), trainer, directory
 
 
-def test_ep2_pp2_vpp2_dp2_matches_single_device(reference, pipelined):
-    # Each virtual stage of each pipeline stage updates the biases of its own MoE layer.
+def test_ep2_pp2_dp2_matches_single_device(reference, pipelined):
+    # Each pipeline stage updates the biases of its own MoE layer.
     _assert_matches(pipelined[0], reference)
 
 
@@ -90,7 +89,7 @@ def test_ep2_dp4_matches_single_device(reference, pipelined):
     # Each dp rank routes its own rows: only the global counts give every rank the same bias.
     trainer = layout_trainer(1, 1, jax.devices(), ITERS, BIAS + ("--expert-model-parallel-size", "2"))
     _assert_matches(_run(trainer, ITERS), reference)
-    # The pp2 vpp2 checkpoint loads here too (the biases are stored per layer, in layer order).
+    # The pp2 checkpoint loads here too (the biases are stored per layer, in layer order).
     records, _, directory = pipelined
     assert trainer.load(directory)
     np.testing.assert_array_equal(_bias(trainer), records[1]["bias"])

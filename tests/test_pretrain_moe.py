@@ -11,7 +11,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from pretrain_harness import layout_records
+from pretrain_harness import layout_records, layout_trainer
 
 ITERS = 10
 MOE = ("--num-layers", "2", "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
@@ -67,16 +67,25 @@ def _assert_moe_metrics_match(records: list[dict], reference: list[dict]) -> Non
 
 def test_ep2_pp2_vpp2_logs_the_moe_metrics_of_every_virtual_stage():
     # 4 MoE layers, one per virtual stage (vs = chunk * pp + rank): each layer's expert load lands in
-    # its own row, in layer order, and the aux / z losses sum over all four.
-    four = MOE + ("--num-layers", "4")
+    # its own row, in layer order, and the aux / z losses sum over all four. With sigmoid scores and
+    # the aux-loss-free expert bias, each virtual stage also moves its own layer's bias
+    # (``moe_state["expert_bias"]``, ``[vpp, pp, E]``: layer order row-major).
+    four = MOE + ("--num-layers", "4", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                  "--moe-router-bias-update-rate", "0.01")
     iters = 3
-    reference = layout_records(1, 1, [jax.local_devices()[0]], iters, four)
-    records = layout_records(1, 2, jax.devices(), iters, four + ("--expert-model-parallel-size", "2",
-                                                                 "--virtual-pipeline-model-parallel-size", "2"))
+    runs = []
+    for tp, pp, devices, extra in ((1, 1, [jax.local_devices()[0]], ()),
+                                   (1, 2, jax.devices(), ("--expert-model-parallel-size", "2",
+                                                          "--virtual-pipeline-model-parallel-size", "2"))):
+        trainer = layout_trainer(tp, pp, devices, iters, four + extra)
+        runs.append(([trainer.step() for _ in range(iters)], np.asarray(trainer.moe_state["expert_bias"])))
+    (reference, ref_bias), (records, bias) = runs
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)
     _assert_moe_metrics_match(records, reference)
     assert len(reference[0]["moe_expert_load"]) == 4
+    np.testing.assert_allclose(bias.reshape(4, -1), ref_bias.reshape(4, -1), atol=1e-7)
+    assert np.abs(ref_bias).max() > 0  # it moved
 
 
 def test_flops_per_token_counts_active_experts():
