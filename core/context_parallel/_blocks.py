@@ -300,3 +300,52 @@ def backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k
         dks[ki] = dks[ki] + g_k
         dvs[ki] = dvs[ki] + g_v
     return tuple(dq), jnp.concatenate(dks, axis=2), jnp.concatenate(dvs, axis=2)
+
+
+def forward_steps(q, k, v, seg, keys, rank, cp, causal, load_balanced, scale, rate):
+    """One rank's forward as steps, for both variants (the ring and the all-gather differ only in
+    how the block of a step arrives): ``(compute, acc)``, where ``compute(step, (k, v, seg), acc)``
+    merges the step's block products with the block held into the per-slot (output, LSE)
+    accumulators and ``acc`` is their start (:func:`forward_result` reads them out)."""
+    n_slots = 2 if load_balanced else 1
+    table = SCHEDULES[(causal, load_balanced)]
+    qs = split_seq(q, n_slots, 3)
+    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    step_fn = partial(forward_products, scale=scale, block=block_size_for(qs[0], k, v, seg, keys), masks=masks)
+
+    def compute(step, kv, acc):
+        pos = k_pos(step)
+        return run_step(table, causal, rank, step, cp,
+                        lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
+
+    return compute, tuple((jnp.zeros(x.shape, F32), jnp.full(x.shape[:-1], -jnp.inf, F32)) for x in qs)
+
+
+def forward_result(acc):
+    """The (output, LSE) of :func:`forward_steps`' accumulators, the slots concatenated."""
+    return jnp.concatenate([o for o, _ in acc], axis=3), jnp.concatenate([lse for _, lse in acc], axis=3)
+
+
+def backward_steps(q, k, v, seg, keys, out, lse, do, rank, cp, causal, load_balanced, scale, rate):
+    """One rank's backward as steps, for both variants: ``(compute, dq)``, where
+    ``compute(step, (k, v, seg), dq)`` returns dq with the step's block products added and the
+    held block's dK/dV share (float32), and ``dq`` is the per-slot start (zeros)."""
+    n_slots = 2 if load_balanced else 1
+    table = SCHEDULES[(causal, load_balanced)]
+    qs, dos, lses = split_seq(q, n_slots, 3), split_seq(do, n_slots, 3), split_seq(lse, n_slots, 3)
+    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
+    block = block_size_for(qs[0], k, v, seg, keys)
+    if block is None:
+        delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)  # rowsum(dO * O)
+        outs, deltas = None, split_seq(delta, n_slots, 3)
+    else:  # the kernel computes rowsum(dO * O) itself from the global output
+        outs, deltas = split_seq(out, n_slots, 3), None
+    step_fn = partial(backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
+                      block=block, masks=masks)
+
+    def compute(step, kv, dq):
+        pos = k_pos(step)
+        return run_step(table, causal, rank, step, cp,
+                        lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
+
+    return compute, tuple(jnp.zeros(x.shape, F32) for x in qs)

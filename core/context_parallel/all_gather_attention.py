@@ -22,17 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel._blocks import (
-    F32,
-    SCHEDULES,
-    backward_products,
-    block_size_for,
-    forward_products,
-    masks_and_positions,
-    run_step,
-    source_rank,
-    split_seq,
-)
+from core.context_parallel._blocks import F32, backward_steps, forward_result, forward_steps, source_rank
 from core.context_parallel._inputs import (
     check_segment_ids,
     default_scale,
@@ -55,45 +45,17 @@ def _held(gathered, rank, step, cp):
 
 def _gathered_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, rate):
     cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n_slots = 2 if load_balanced else 1
-    table = SCHEDULES[(causal, load_balanced)]
-    qs = split_seq(q, n_slots, 3)
-    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    step_fn = partial(forward_products, scale=scale, block=block_size_for(qs[0], k, v, seg, keys), masks=masks)
-
-    def compute(step, kv, acc):
-        pos = k_pos(step)
-        return run_step(table, causal, rank, step, cp,
-                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
-
-    acc = tuple((jnp.zeros(x.shape, F32), jnp.full(x.shape[:-1], -jnp.inf, F32)) for x in qs)
+    compute, acc = forward_steps(q, k, v, seg, keys, rank, cp, causal, load_balanced, scale, rate)
     acc = compute(0, (k, v, seg), acc)  # the own block: step 0, the diagonal case
     if cp > 1:
         gathered = _gather((k, v, seg), axis_name)
         acc = lax.fori_loop(1, cp, lambda step, acc: compute(step, _held(gathered, rank, step, cp), acc), acc)
-    return jnp.concatenate([o for o, _ in acc], axis=3), jnp.concatenate([lse for _, lse in acc], axis=3)
+    return forward_result(acc)
 
 
 def _gathered_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, rate):
     cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    n_slots = 2 if load_balanced else 1
-    table = SCHEDULES[(causal, load_balanced)]
-    qs, dos, lses = split_seq(q, n_slots, 3), split_seq(do, n_slots, 3), split_seq(lse, n_slots, 3)
-    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    block = block_size_for(qs[0], k, v, seg, keys)
-    if block is None:
-        outs, deltas = None, split_seq(jnp.sum(do.astype(F32) * out.astype(F32), axis=-1), n_slots, 3)
-    else:  # the kernel computes rowsum(dO * O) itself from the global output
-        outs, deltas = split_seq(out, n_slots, 3), None
-    step_fn = partial(backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
-                      block=block, masks=masks)
-
-    def compute(step, kv, dq):
-        pos = k_pos(step)
-        return run_step(table, causal, rank, step, cp,
-                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
-
-    dq = tuple(jnp.zeros(x.shape, F32) for x in qs)
+    compute, dq = backward_steps(q, k, v, seg, keys, out, lse, do, rank, cp, causal, load_balanced, scale, rate)
     dq, dk, dv = compute(0, (k, v, seg), dq)
     if cp > 1:
         gathered = _gather((k, v, seg), axis_name)

@@ -34,16 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.context_parallel._blocks import (
-    F32,
-    SCHEDULES,
-    backward_products,
-    block_size_for,
-    forward_products,
-    masks_and_positions,
-    run_step,
-    split_seq,
-)
+from core.context_parallel._blocks import backward_steps, forward_result, forward_steps
 from core.context_parallel._inputs import (
     check_segment_ids,
     default_scale,
@@ -87,18 +78,7 @@ def _topology(axis_name, isolated, kv_rotation):
 
 def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
-    n_slots = 2 if load_balanced else 1
-    table = SCHEDULES[(causal, load_balanced)]
-    qs = split_seq(q, n_slots, 3)
-    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    acc = tuple((jnp.zeros(x.shape, F32), jnp.full(x.shape[:-1], -jnp.inf, F32)) for x in qs)
-    step_fn = partial(forward_products, scale=scale, block=block_size_for(qs[0], k, v, seg, keys), masks=masks)
-
-    def compute(step, kv, acc):
-        pos = k_pos(step)
-        return run_step(table, causal, rank, step, cp,
-                         lambda prods, a, kk, vv, ss: step_fn(prods, qs, kk, vv, ss, pos, a), acc, *kv)
-
+    compute, acc = forward_steps(q, k, v, seg, keys, rank, cp, causal, load_balanced, scale, rate)
     kv = (k, v, seg)  # the K-side segment ids travel with their K/V block (None: nothing)
     # Send the block on before computing with it: the transfer can overlap the block products.
     nxt = hop(kv) if cp > 1 else kv
@@ -111,35 +91,14 @@ def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, i
 
         (kv, acc), _ = lax.scan(body, (nxt, acc), jnp.arange(1, cp - 1))
         acc = compute(cp - 1, kv, acc)  # the last block needs no onward send
-    out = jnp.concatenate([o for o, _ in acc], axis=3)
-    lse = jnp.concatenate([lse for _, lse in acc], axis=3)
-    return out, lse
+    return forward_result(acc)
 
 
 def _ring_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, isolated,
                    kv_rotation, rate):
     cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
-    n_slots = 2 if load_balanced else 1
-    table = SCHEDULES[(causal, load_balanced)]
-    qs, dos = split_seq(q, n_slots, 3), split_seq(do, n_slots, 3)
-    masks, k_pos = masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots)
-    block = block_size_for(qs[0], k, v, seg, keys)
-    if block is None:
-        delta = jnp.sum(do.astype(F32) * out.astype(F32), axis=-1)  # rowsum(dO * O)
-        outs, deltas = None, split_seq(delta, n_slots, 3)
-    else:  # the kernel computes rowsum(dO * O) itself from the global output
-        outs, deltas = split_seq(out, n_slots, 3), None
-    lses = split_seq(lse, n_slots, 3)
-    step_fn = partial(backward_products, qs=qs, dos=dos, outs=outs, lses=lses, deltas=deltas, scale=scale,
-                      block=block, masks=masks)
-
-    def compute(step, kv, dq):
-        pos = k_pos(step)
-        return run_step(table, causal, rank, step, cp,
-                         lambda prods, g, kk, vv, ss: step_fn(prods, dq=g, k=kk, v=vv, k_seg=ss, k_pos=pos), dq, *kv)
-
+    compute, dq = backward_steps(q, k, v, seg, keys, out, lse, do, rank, cp, causal, load_balanced, scale, rate)
     kv = (k, v, seg)
-    dq = tuple(jnp.zeros(x.shape, F32) for x in qs)
     nxt = hop(kv) if cp > 1 else kv
     dq, dk, dv = compute(0, kv, dq)
     if cp > 1:
