@@ -31,6 +31,20 @@ def _configure_jax() -> None:
     else:
         # Must run before the CPU backend starts; env vars alone are read too early.
         jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAX_NUM_CPU_DEVICES", "8")))
+        _cache_compiled_programs_on_disk()
+
+
+def _cache_compiled_programs_on_disk() -> None:
+    """With ``MCJ_TEST_CACHE_DIR`` set (``tests/run.sh`` sets a fresh one per run), every program
+    compiled in this process goes to JAX's persistent cache there, and an identical program is
+    loaded instead of compiled again: many tests build a new trainer or jitted step for a model
+    and layout that another test (of this worker or of the other one) already compiled. Level 1
+    took 17% less worker time with it (2026-11-27: 1667 -> 1383 s)."""
+    directory = os.environ.get("MCJ_TEST_CACHE_DIR")
+    if directory:
+        from core.training.compilation_cache import enable_compilation_cache
+
+        enable_compilation_cache(directory)
 
 
 def _share_compiled_programs() -> None:

@@ -21,6 +21,9 @@ XDIST=()
 if [ "$WORKERS" -gt 1 ] && python -c "import xdist" 2>/dev/null; then
     XDIST=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 fi
+# The workers share one on-disk compilation cache, fresh per run (tests/conftest.py).
+export MCJ_TEST_CACHE_DIR="$OUT/compilation_cache"
+rm -rf "$MCJ_TEST_CACHE_DIR"
 echo "=== level 1: single process, 8 simulated devices (${WORKERS} workers)"
 timeout --signal=KILL "${SINGLE_TIMEOUT:-2400}" python -m pytest -q -p no:randomly -m "not gpu" "${XDIST[@]}" \
     --junitxml="$OUT/single.xml" "$@" tests
