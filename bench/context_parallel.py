@@ -42,6 +42,12 @@ inputs are random, so they are not reordered: the order of the tokens changes no
 Simulated devices share the host's cores, so step times show each device's work and how it
 serialises, not a cluster's speed; the memory figures are what XLA assigns per device. Prints
 the tables and writes ``bench/results/context_parallel_cpu.md`` (``--out``).
+
+**Between processes** (``mpirun -n N python bench/context_parallel.py``): part 4 only, at cp = N,
+one device per process, the hops real transfers between processes (gloo on the CPU, NCCL on
+GPUs), each process on its share of the cores; rank 0's times. Simulated devices cannot show
+hiding (a hop there is a copy on the same threads as the compute); this can. Writes
+``bench/results/context_parallel_processes_<platform>.md``.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from timing import BenchRun, round_robin_medians, round_robin_times  # noqa: E40
 
 MIB = 1024 * 1024
 COMM_TYPES = ("p2p", "all_gather")  # as core.context_parallel.COMM_TYPES (imported with JAX, later)
+DEFAULT_OUT = str(ROOT / "bench" / "results" / "context_parallel_cpu.md")
 TARGET_MEMORY_RATIO = 0.3
 """Attention memory per device at cp=4 over cp=1 (issue 31)."""
 TARGET_IMBALANCE = 0.05
@@ -185,12 +192,15 @@ def memory(compiled: Any) -> dict[str, int]:
 
 
 def inputs_for(compiled: Any, shape: tuple[int, ...]) -> list[Any]:
-    """Random float32 q, k, v, w of the global ``shape``, placed as ``compiled`` takes them."""
+    """Random float32 q, k, v, w of the global ``shape``, placed as ``compiled`` takes them (each
+    process builds the same host values and places its own shards: also between processes)."""
     import jax
+    import numpy as np
 
-    keys = jax.random.split(jax.random.key(0), 4)
-    return [jax.device_put(jax.random.normal(key, shape), sharding)
-            for key, sharding in zip(keys, compiled.input_shardings[0])]
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(shape, dtype=np.float32) for _ in range(4)]
+    return [jax.make_array_from_callback(shape, sharding, lambda index, x=x: x[index])
+            for x, sharding in zip(values, compiled.input_shardings[0])]
 
 
 class Programs:
@@ -423,8 +433,9 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="round-robin rounds of part 3, load-balanced (median; contiguous: a quarter)")
     p.add_argument("--hide-reps", type=int, default=7, help="round-robin rounds of part 4 (median)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "context_parallel_cpu.md"))
-    p.add_argument("--machine", default="2-core AVX2 VM (AMD EPYC), simulated CPU devices",
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help="the report (under mpirun: bench/results/context_parallel_processes_<platform>.md)")
+    p.add_argument("--machine", default="2-core AVX2 VM (AMD EPYC)",
                    help="the machine, for the report")
     p.add_argument("--note", default="", help="a note for the report (e.g. other jobs on the cores)")
     a = p.parse_args(argv)
@@ -510,8 +521,54 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "balance": balance, "hiding": hiding}
 
 
+def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Under ``mpirun -n N``: part 4 between N processes (cp = N); rank 0 prints the table and
+    writes the report. Returns the rows (every rank). Call after ``jax.distributed`` has started."""
+    a = _args(argv)
+    import jax
+
+    cp = jax.process_count()
+    if jax.device_count() != cp or a.seq % (2 * cp):
+        raise SystemExit(f"needs one device per process and --seq divisible by 2 x {cp}: got "
+                         f"{jax.device_count()} devices in {cp} processes, --seq {a.seq}")
+    run = BenchRun()
+    programs = Programs(a.batch, a.heads, a.head_dim)
+    rows = hiding_rows(programs, a.seq, [cp], a.hide_reps)
+    if jax.process_index() == 0:
+        platform = jax.devices()[0].platform
+        workload = (f"causal self-attention forward + backward, batch {a.batch} x {a.heads} heads x head dim "
+                    f"{a.head_dim}, seq {a.seq}, float32, {cp} processes, one {platform} device each")
+        text = hiding_table(rows)
+        print(f"{workload}\n\nring communication hidden (rank 0, median of {a.hide_reps} round-robin rounds; "
+              f"{run.lap()})\n\n{text}", flush=True)
+        out = Path(a.out if a.out != DEFAULT_OUT else
+                   ROOT / "bench" / "results" / f"context_parallel_processes_{platform}.md")
+        quick = " --quick" if a.quick else ""
+        header = run.header(f"mpirun -n {cp} python bench/context_parallel.py{quick}", a.machine, a.note)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## Ring communication hidden between processes "
+                       f"(rank 0, median of {a.hide_reps} round-robin rounds)\n\n{text}\n")
+        print(f"\n{run.elapsed():.0f} s; wrote {out}")
+    return rows
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    from core.parallel_state import mpi_world_size_from_env
+
+    if mpi_world_size_from_env() > 1:
+        from core.cluster import initialize_distributed
+        from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+
+        # As the launch path: on the CPU, each process's thread pool sized to its share of the cores.
+        configure_cpu_threads(share_pool=True)
+        initialize_distributed()
+        import jax
+
+        jax.devices()  # the backend starts and sizes its pool
+        release_cpu_affinity()
+        processes_main()
+        sys.exit(0)
     from core.cpu_devices import configure_cpu_devices
     from core.cpu_malloc import reexec_with_malloc_settings
 

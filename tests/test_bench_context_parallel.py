@@ -65,3 +65,26 @@ def test_longest_within_steps_to_the_exact_multiple():
     assert bench_cp.longest_within(lambda s: 4 * s + 7, [16, 32, 64], budget=4 * 65536 + 7, granule=16) == \
         (65536, True)
     assert bench_cp.longest_within(lambda s: s, [16, 32], budget=1e30, granule=16, max_seq=4096) == (4096, False)
+
+
+def test_hiding_between_processes_under_mpirun(tmp_path):
+    """``mpirun -n 2 python bench/context_parallel.py --quick``: part 4 between real processes
+    (cp 2, one device each, the hops real transfers), the table on rank 0 and in the report."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "processes.md"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    if os.getuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(ROOT / "bench" / "context_parallel.py"),
+           "--quick", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes, one cpu device each" in result.stdout
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+    _, ring, no_hops, _, _, hops, hidden = row.split("|")[1:-1]  # one round: no interquartile range
+    assert all(_positive(float(t)) for t in (ring, no_hops, hops)) and hidden.strip().endswith("%")
+    assert result.stdout.count("ring communication hidden") == 1  # rank 0 only
