@@ -419,3 +419,32 @@ def test_skipped_blocks_not_computed(load_balanced, kernel, monkeypatch):
     branches = _cond_branch_dots(jax.make_jaxpr(fn)(q, k, v).jaxpr, "ffi_call" if kernel else "dot_general")
     want = [2 * per_product, 2 * per_product] if load_balanced else [0, per_product]
     assert branches and all(sorted(b) == want for b in branches)
+
+
+def test_query_tiles():
+    assert [blocks_module.query_tiles(c) for c in (64, 1024, 1025, 1536, 3000, 4096)] == [1, 1, 5, 2, 3, 4]
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_einsum_blocks_in_query_tiles_match_full_attention(comm_type, monkeypatch):
+    # Einsum block products (GPU's path; here with the CPU kernel off) run their query rows in
+    # tiles when a chunk is longer than QUERY_TILE: chunks of 32 at cp 2, tiles of 8 (the
+    # diagonal blocks' causal mask offset per tile), forward and backward.
+    monkeypatch.setattr(blocks_module, "fused_attention_available", lambda: False)
+    monkeypatch.setattr(blocks_module, "QUERY_TILE", 8)
+    q, k, v, _ = _inputs(kv_heads=2, seq=128)
+    scores = lambda: str(jax.make_jaxpr(_cp_fn(2, comm_type, True, True))(q, k, v, q)).replace(" ", "")
+    assert "f32[2,2,2,8,32]" in scores() and "f32[2,2,2,32,32]" not in scores()  # [b, h, g, tile, chunk]
+    monkeypatch.setattr(blocks_module, "QUERY_TILE", 32)
+    assert "f32[2,2,2,32,32]" in scores()  # untiled: [b, h, g, chunk, chunk]
+    monkeypatch.setattr(blocks_module, "QUERY_TILE", 8)
+    outs, refs = _run(2, comm_type, True, kv_heads=2, seq=128)
+    _assert_close(outs, refs, atol=1e-5)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_query_tiles_with_document_mask_and_dropout(comm_type, monkeypatch):
+    # The tiles take their rows' segment ids and global token indices (dropout's keep-mask).
+    monkeypatch.setattr(blocks_module, "QUERY_TILE", 4)  # chunks of 8 at cp 4: 2 tiles
+    outs, refs = _document_run(4, comm_type, dropout_rate=0.2)
+    _assert_close(outs, refs, atol=1e-5)

@@ -39,8 +39,10 @@ gradients summed back) in memory; the K/V that are exchanged stay ungrouped. A `
 Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``, and under the
 document mask or dropout, which the kernel cannot apply) the block products are XLA einsums as
 before; on GPU that is XLA's own dot fusion, not cuDNN's fused attention
-(``jax.nn.dot_product_attention``'s backward cannot be given the global output and LSE).
-Both paths give the same results up to float rounding.
+(``jax.nn.dot_product_attention``'s backward cannot be given the global output and LSE). An
+einsum product of a chunk longer than :data:`QUERY_TILE` runs its query rows in tiles, so its
+scores are ``[.., tile, chunk]``, linear in the chunk. Both paths give the same results up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -124,34 +126,100 @@ def split_seq(x: jax.Array, n: int, axis: int) -> tuple[jax.Array, ...]:
     return tuple(jnp.split(x, n, axis=axis))
 
 
-def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None) -> jax.Array:
-    """float32 ``q k^T * scale`` of ``q: [b, h, g, c, d]``, ``k: [b, h, c, d]``; causal-masked to -inf
-    above the diagonal for a diagonal block (query and key chunk at the same global offset), and,
-    with ``segs = (q_seg [b, c], k_seg [b, c])``, to -inf between different documents."""
+QUERY_TILE = 1024
+"""Einsum block products with more query rows than this run their rows in tiles of at most this
+many (``lax.map`` / ``lax.scan``), so a product's float32 scores and probabilities take
+``[b, h, g, tile, c]`` instead of ``[b, h, g, c, c]``: on GPUs, where the blocks are einsums, a
+chunk of 32k tokens would otherwise need 4 GiB per head for one score matrix."""
+
+
+def query_tiles(rows: int) -> int:
+    """How many equal tiles of at most :data:`QUERY_TILE` rows an einsum block product of
+    ``rows`` query rows runs in (the fewest that divide ``rows``; 1: untiled)."""
+    n = -(-rows // QUERY_TILE)
+    while rows % n:
+        n += 1
+    return n
+
+
+def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None, row0=0) -> jax.Array:
+    """float32 ``q k^T * scale`` of ``q: [b, h, g, t, d]``, ``k: [b, h, c, d]``; causal-masked to -inf
+    above the diagonal for a diagonal block (query and key chunk at the same global offset; q's
+    rows are the chunk's rows ``row0 ..``), and, with ``segs = (q_seg [b, t], k_seg [b, c])``, to
+    -inf between different documents."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q, k, preferred_element_type=F32) * scale
     if diag:
-        c = s.shape[-1]
-        s = jnp.where(jnp.tril(jnp.ones((c, c), dtype=bool)), s, -jnp.inf)
+        rows = row0 + jnp.arange(s.shape[-2])
+        s = jnp.where(rows[:, None] >= jnp.arange(s.shape[-1])[None, :], s, -jnp.inf)
     if segs is not None:
         s = mask_other_documents(s, *segs)
     return s
 
 
-def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None):
-    """One block product: its softmax-normalised output (float32) and row LSE (-inf, output 0, for
-    a row with no key left: possible only under the document mask, ``segs``). ``drop = (keep,
-    rate)`` drops probabilities after the normalisation (the LSE stays the undropped one, so the
-    merge of blocks is unchanged)."""
-    s = _scores(q, k, diag, scale, segs)
+def _dropped(p: jax.Array, drop) -> jax.Array:
+    """``p`` dropped by ``drop = (keys, q_pos, k_pos, rate)`` (the block's global token indices),
+    the keep-mask drawn here, at the (tile of the) block's own size; ``p`` when ``drop`` is None."""
+    if drop is None:
+        return p
+    keys, q_pos, k_pos, rate = drop
+    return apply_dropout(p, attention_dropout_mask(keys, q_pos, k_pos, rate), rate)
+
+
+def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None, row0=0):
+    """One block product (or a tile of its query rows, from ``row0``): its softmax-normalised
+    output (float32) and row LSE (-inf, output 0, for a row with no key left: possible only under
+    the document mask, ``segs``). ``drop`` (see :func:`_dropped`) drops probabilities after the
+    normalisation (the LSE stays the undropped one, so the merge of blocks is unchanged)."""
+    s = _scores(q, k, diag, scale, segs, row0)
     m = jnp.max(s, axis=-1, keepdims=True)  # finite without segs: every row has its diagonal key
     if segs is not None:  # a query whose document starts after this key block: exp(-inf - 0) = 0
         m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(s - m)
     total = jnp.sum(p, axis=-1, keepdims=True)
     safe = jnp.where(total > 0, total, 1.0) if segs is not None else total
-    pd = p if drop is None else apply_dropout(p, *drop)
+    pd = _dropped(p, drop)
     out = jnp.einsum("bhgqk,bhkd->bhgqd", pd.astype(v.dtype), v, preferred_element_type=F32) / safe
     return out, (m + jnp.log(total))[..., 0]  # log(0) = -inf for an empty row
+
+
+def _row_tiles(n: int, q_rows, segs, drop):
+    """The per-tile operands of a block product cut into ``n`` query-row tiles: each array of
+    ``q_rows`` (``[b, h, g, c, ...]``, rows on axis 3) as ``[n, b, h, g, c/n, ...]``, the query
+    side of ``segs`` and ``drop`` likewise, and every tile's first row."""
+    def rows_first(x, axis):
+        return jnp.moveaxis(x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:]), axis, 0)
+
+    tiled = tuple(rows_first(x, 3) for x in q_rows)
+    q_seg = None if segs is None else rows_first(segs[0], 1)
+    q_pos = None if drop is None else rows_first(drop[1], 0)
+    return tiled, q_seg, q_pos, jnp.arange(n) * (q_rows[0].shape[3] // n)
+
+
+def _tile_masks(segs, drop, q_seg, q_pos):
+    """``segs`` and ``drop`` with their query side replaced by one tile's."""
+    return (None if segs is None else (q_seg, segs[1]),
+            None if drop is None else (drop[0], q_pos, *drop[2:]))
+
+
+def _rows_back(x: jax.Array) -> jax.Array:
+    """``[n, b, h, g, t, ...]`` tiles back to ``[b, h, g, n t, ...]``."""
+    x = jnp.moveaxis(x, 0, 3)
+    return x.reshape(*x.shape[:3], x.shape[3] * x.shape[4], *x.shape[5:])
+
+
+def _einsum_block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None):
+    """:func:`_block_forward` of a whole block product, its query rows in :func:`query_tiles` tiles."""
+    n = query_tiles(q.shape[3])
+    if n == 1:
+        return _block_forward(q, k, v, diag, scale, segs, drop)
+    (qt,), q_seg, q_pos, row0 = _row_tiles(n, (q,), segs, drop)
+
+    def tile(x):
+        t_q, t_seg, t_pos, t_row0 = x
+        return _block_forward(t_q, k, v, diag, scale, *_tile_masks(segs, drop, t_seg, t_pos), row0=t_row0)
+
+    out, lse = lax.map(tile, (qt, q_seg, q_pos, row0))
+    return _rows_back(out), _rows_back(lse)
 
 
 def kernel_block(q_chunk: jax.Array, k: jax.Array, v: jax.Array) -> int | None:
@@ -204,14 +272,15 @@ def _merge(acc, block):
 
 def _block_masks(k_seg, k_pos, q_segs, keys, q_pos, rate: float, n: int):
     """Per (query slot, key slot) the ``(segs, drop)`` of the block functions, both None when
-    unused: the document mask's ``(q_seg, k_seg)`` and the dropout's ``(keep, rate)``, drawn
-    from the slots' global token indices (``q_pos`` per query slot, ``k_pos`` of the held block)."""
+    unused: the document mask's ``(q_seg, k_seg)`` and the dropout's ``(keys, q_pos, k_pos,
+    rate)``, the slots' global token indices (``q_pos`` per query slot, ``k_pos`` of the held
+    block) from which each product draws its keep-mask (:func:`_dropped`)."""
     k_segs = None if q_segs is None else split_seq(k_seg, n, 1)
     k_poss = None if keys is None else jnp.split(k_pos, n)
 
     def at(qi, ki):
         segs = None if q_segs is None else (q_segs[qi], k_segs[ki])
-        drop = None if keys is None else (attention_dropout_mask(keys, q_pos[qi], k_poss[ki], rate), rate)
+        drop = None if keys is None else (keys, q_pos[qi], k_poss[ki], rate)
         return segs, drop
 
     return at
@@ -226,7 +295,7 @@ def forward_products(products, qs, k, v, k_seg, k_pos, acc, scale, block, masks)
     acc = list(acc)
     for qi, ki, diag in products:
         if block is None:
-            b_out = _block_forward(qs[qi], ks[ki], vs[ki], diag, scale, *at(qi, ki))
+            b_out = _einsum_block_forward(qs[qi], ks[ki], vs[ki], diag, scale, *at(qi, ki))
         else:
             b_out = _kernel_block_forward(qs[qi], ks[ki], vs[ki], diag, scale, block)
         acc[qi] = _merge(acc[qi], b_out)
@@ -263,20 +332,40 @@ def masks_and_positions(q, seg, keys, rate, rank, cp, load_balanced, n_slots):
     return masks, k_pos
 
 
-def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None, drop=None):
-    """Flash attention's backward of one block, probabilities recomputed from the saved LSE (the
-    ring's global one, finite: masked keys give exp(-inf) = 0). With dropout, dV reads the dropped
-    probabilities and dP the kept entries; ``delta = rowsum(dO * O)`` of the dropped output is
-    still ``rowsum(P * dP)``."""
-    p = jnp.exp(_scores(q, k, diag, scale, segs) - lse[..., None])
-    pd = p if drop is None else apply_dropout(p, *drop)
+def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None, drop=None, row0=0):
+    """Flash attention's backward of one block (or a tile of its query rows, from ``row0``),
+    probabilities recomputed from the saved LSE (the ring's global one, finite: masked keys give
+    exp(-inf) = 0). With dropout, dV reads the dropped probabilities and dP the kept entries;
+    ``delta = rowsum(dO * O)`` of the dropped output is still ``rowsum(P * dP)``."""
+    p = jnp.exp(_scores(q, k, diag, scale, segs, row0) - lse[..., None])
+    keep = None if drop is None else attention_dropout_mask(*drop)
+    rate = 0.0 if drop is None else drop[3]
+    pd = apply_dropout(p, keep, rate)
     dv = jnp.einsum("bhgqk,bhgqd->bhkd", pd.astype(do.dtype), do, preferred_element_type=F32)
-    dp = jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=F32)
-    dp = dp if drop is None else apply_dropout(dp, *drop)
+    dp = apply_dropout(jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=F32), keep, rate)
     ds = p * (dp - delta[..., None])
     dq = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), k, preferred_element_type=F32) * scale
     dk = jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), q, preferred_element_type=F32) * scale
     return dq, dk, dv
+
+
+def _einsum_block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None, drop=None):
+    """:func:`_block_backward` of a whole block product, its query rows in :func:`query_tiles`
+    tiles: dq per tile, dK/dV summed over the tiles."""
+    n = query_tiles(q.shape[3])
+    if n == 1:
+        return _block_backward(q, k, v, do, lse, delta, diag, scale, segs, drop)
+    tiles, q_seg, q_pos, row0 = _row_tiles(n, (q, do, lse, delta), segs, drop)
+
+    def tile(dkv, x):
+        (t_q, t_do, t_lse, t_delta), t_seg, t_pos, t_row0 = x
+        dq, dk, dv = _block_backward(t_q, k, v, t_do, t_lse, t_delta, diag, scale,
+                                     *_tile_masks(segs, drop, t_seg, t_pos), row0=t_row0)
+        return (dkv[0] + dk, dkv[1] + dv), dq
+
+    zeros = (jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32))
+    (dk, dv), dq = lax.scan(tile, zeros, (tiles, q_seg, q_pos, row0))
+    return _rows_back(dq), dk, dv
 
 
 def backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k, v, k_seg, k_pos, masks):
@@ -291,8 +380,8 @@ def backward_products(products, qs, dos, outs, lses, deltas, scale, block, dq, k
     dvs = [jnp.zeros(x.shape, F32) for x in vs]
     for qi, ki, diag in products:
         if block is None:
-            g_q, g_k, g_v = _block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag, scale,
-                                            *at(qi, ki))
+            g_q, g_k, g_v = _einsum_block_backward(qs[qi], ks[ki], vs[ki], dos[qi], lses[qi], deltas[qi], diag,
+                                                   scale, *at(qi, ki))
         else:
             g_q, g_k, g_v = _kernel_block_backward(qs[qi], ks[ki], vs[ki], dos[qi], outs[qi], lses[qi], diag,
                                                    scale, block)
