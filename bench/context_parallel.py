@@ -1,5 +1,6 @@
 """Context parallelism: per-device attention memory and step time, the longest sequence within a
-memory budget, load balance, and how much of the ring's communication is hidden.
+memory budget, load balance, how much of the ring's communication is hidden, and the memory of
+the einsum blocks by query tile.
 
     python bench/context_parallel.py            # ~5 min on 2 cores (7-8 min with other jobs on them)
     python bench/context_parallel.py --quick    # tiny sizes, one rep, ~1 min (the test's smoke run)
@@ -42,6 +43,10 @@ inputs are random, so they are not reordered: the order of the tokens changes no
 Simulated devices share the host's cores, so step times show each device's work and how it
 serialises, not a cluster's speed; the memory figures are what XLA assigns per device. Prints
 the tables and writes ``bench/results/context_parallel_cpu.md`` (``--out``).
+
+5. **Query tiles of the einsum blocks** (``--tile-seqs``, ``--tile-cps``, ``--tiles``; compiled
+   only): per-device temporaries of the block products as they run on GPUs (XLA einsums;
+   bfloat16 q/k/v, float32 scores), untiled and with ``_blocks.QUERY_TILE`` at each tile.
 
 **Between processes** (``mpirun -n N python bench/context_parallel.py``): part 4 only, at cp = N,
 one device per process, the hops real transfers between processes (gloo on the CPU, NCCL on
@@ -151,12 +156,11 @@ def rank_workload(cp: int, rank: int, load_balanced: bool) -> Any:
     return jax.jit(_grads(partial(ring_attention, load_balanced=load_balanced, _isolated=(cp, rank))))
 
 
-def compile_for(fn: Any, shape: tuple[int, ...]) -> Any:
-    """``fn`` compiled for four float32 ``shape`` arguments (global shapes for a ``shard_map``)."""
+def compile_for(fn: Any, shape: tuple[int, ...], dtype: str = "float32") -> Any:
+    """``fn`` compiled for four ``shape`` arguments of ``dtype`` (global shapes for a ``shard_map``)."""
     import jax
-    import jax.numpy as jnp
 
-    return fn.lower(*(jax.ShapeDtypeStruct(shape, jnp.float32),) * 4).compile()
+    return fn.lower(*(jax.ShapeDtypeStruct(shape, dtype),) * 4).compile()
 
 
 def saved_for_backward(cp: int, comm_type: str, shape: tuple[int, ...]) -> int:
@@ -345,6 +349,28 @@ def hiding_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> 
     return rows
 
 
+def tiling_rows(programs: Programs, seqs: Sequence[int], cps: Sequence[int], tiles: Sequence[int]
+                ) -> list[dict[str, Any]]:
+    """Part 5: per-device temporaries of the einsum block products (GPU's path: bfloat16 q/k/v,
+    float32 scores) by query tile (``_blocks.QUERY_TILE``; 0: untiled), compiled only."""
+    from core.context_parallel import _blocks
+
+    default, rows = _blocks.QUERY_TILE, []
+    try:
+        for seq in seqs:
+            for cp in cps:
+                for comm in COMM_TYPES:
+                    row = {"seq": seq, "cp": cp, "comm": comm, "temp": {}}
+                    for tile in tiles:
+                        _blocks.QUERY_TILE = tile or seq  # a tile of the whole chunk: untiled
+                        step = compile_for(attention_step(cp, comm), programs.shape(seq), "bfloat16")
+                        row["temp"][tile] = memory(step)["temp"]
+                    rows.append(row)
+    finally:
+        _blocks.QUERY_TILE = default
+    return rows
+
+
 # -- the tables --------------------------------------------------------------------------------
 def _mib(n: float) -> str:
     return f"{n / MIB:.1f}"
@@ -383,6 +409,14 @@ def longest_table(rows: list[dict[str, Any]], budget: float) -> str:
         seq = f"{r['seq']}" if r["confirmed"] else f">= {r['seq']}"
         lines.append(f"| {r['comm']} | {r['cp']} | {seq} | {_mib(r['total'])} | {r['growth']:.2f} | "
                      f"{r['growth'] / r['cp']:.2f} |")
+    return "\n".join(lines)
+
+
+def tiling_table(rows: list[dict[str, Any]], tiles: Sequence[int]) -> str:
+    heads = " | ".join("untiled" if t == 0 else f"tiles of {t}" for t in tiles)
+    lines = [f"| seq | cp | attention | {heads} |", "|---|---|---|" + "---|" * len(tiles)]
+    lines += [f"| {r['seq']} | {r['cp']} | {r['comm']} | " + " | ".join(_mib(r["temp"][t]) for t in tiles) + " |"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -432,6 +466,9 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--balance-reps", type=int, default=41,
                    help="round-robin rounds of part 3, load-balanced (median; contiguous: a quarter)")
     p.add_argument("--hide-reps", type=int, default=7, help="round-robin rounds of part 4 (median)")
+    p.add_argument("--tile-seqs", default="8192,16384", help="part 5's sequence lengths (compiled only)")
+    p.add_argument("--tile-cps", default="2,4", help="part 5's context-parallel sizes")
+    p.add_argument("--tiles", default="0,1024,512", help="part 5's query tiles (0: untiled)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="the report (under mpirun: bench/results/context_parallel_processes_<platform>.md)")
@@ -442,9 +479,10 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if a.quick:
         a.heads, a.head_dim, a.seq, a.cps, a.seqs = 2, 16, 256, "1,4", "256,512"
         a.budget_mib, a.granule, a.balance_cp, a.hide_cps = 1.0, 32, 2, "2"
+        a.tile_seqs, a.tile_cps, a.tiles = "256", "2", "0,32"
         a.reps = a.balance_reps = a.hide_reps = 1
-    cps = _ints(a.cps) + [a.balance_cp] + _ints(a.hide_cps)
-    for seq in [a.seq, a.granule, *_ints(a.seqs)]:
+    cps = _ints(a.cps) + [a.balance_cp] + _ints(a.hide_cps) + _ints(a.tile_cps)
+    for seq in [a.seq, a.granule, *_ints(a.seqs), *_ints(a.tile_seqs)]:
         if seq % (2 * max(cps)):
             p.error(f"sequence length {seq} must split into 2 x cp = {2 * max(cps)} chunks")
     if 1 not in _ints(a.cps):
@@ -503,6 +541,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"\n4. ring communication hidden, seq {a.seq} (median of {a.hide_reps} round-robin rounds; {run.lap()})\n\n"
           f"{hide_text}", flush=True)
 
+    tiles = _ints(a.tiles)
+    tiling = tiling_rows(programs, _ints(a.tile_seqs), _ints(a.tile_cps), tiles)
+    tile_text = tiling_table(tiling, tiles)
+    print(f"\n5. einsum blocks (GPU's path: bfloat16 q/k/v, float32 scores), per-device temporaries MiB by "
+          f"query tile ({run.lap()})\n\n{tile_text}", flush=True)
+
     header = (run.header(f"python bench/context_parallel.py{' --quick' if a.quick else ''}", a.machine, a.note)
               + f"\n\nWorkload: {workload}.\n")
     report = (f"{header}\n## 1. Memory and step time vs cp (seq {a.seq}, median of {a.reps} round-robin rounds)\n\n"
@@ -513,12 +557,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"median of {a.balance_reps} round-robin rounds, contiguous {max(1, a.balance_reps // 4)})\n\n"
               f"{bal_text}\n\n"
               f"## 4. Ring communication hidden (seq {a.seq}, median of {a.hide_reps} round-robin rounds)\n\n"
-              f"{hide_text}\n")
+              f"{hide_text}\n\n"
+              f"## 5. Einsum blocks (GPU's path: bfloat16 q/k/v, float32 scores): per-device temporaries MiB by "
+              f"query tile (compiled only)\n\n{tile_text}\n")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(report)
     print(f"\n{run.elapsed():.0f} s; wrote {a.out}")
     return {"cp": cp, "memory_ratios": ratios, "saved_ratios": saved_ratios, "grid": grid, "longest": longest,
-            "balance": balance, "hiding": hiding}
+            "balance": balance, "hiding": hiding, "tiling": tiling}
 
 
 def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:

@@ -49,8 +49,13 @@ def test_quick_run_figures_and_report(tmp_path):
     assert hide["cp"] == 2 and all(_positive(hide[k]) for k in ("ring_s", "no_hops_s", "hops_s"))
     assert math.isfinite(hide["hidden"])
 
+    # Query tiles (compiled memory, deterministic): tiles of 32 rows need less than the 64-row chunks.
+    assert [(r["seq"], r["cp"], r["comm"]) for r in res["tiling"]] == [(256, 2, c) for c in bench_cp.COMM_TYPES]
+    assert all(0 < r["temp"][32] < r["temp"][0] for r in res["tiling"])
+
     text = out.read_text()
-    for heading in ("## 1. Memory", "## 2. Per-device", "## 3. Load balance", "## 4. Ring communication"):
+    for heading in ("## 1. Memory", "## 2. Per-device", "## 3. Load balance", "## 4. Ring communication",
+                    "## 5. Einsum blocks"):
         assert heading in text
     assert "| p2p | 4 |" in text and "| load-balanced: block products | 64 | 5 | 5 |" in text
 
