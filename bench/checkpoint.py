@@ -2,6 +2,7 @@
 
     python bench/checkpoint.py            # ~5 min on 2 cores (quiet)
     python bench/checkpoint.py --quick    # tiny sizes, ~1 min
+    python bench/checkpoint.py --gpu --devices 1   # on a GPU host (bench/gpu.py --checkpoint runs it)
 
 For each model (the ``launch/pretrain.py`` default, then wider ones), one process trains with
 ``Pretrainer`` at tp=pp=1 over ``--devices`` CPU devices with the distributed optimizer (the
@@ -130,13 +131,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the benchmark; returns the rows."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one tiny model, one round")
-    p.add_argument("--devices", type=int, default=2, help="CPU devices of the one process (data parallel)")
+    p.add_argument("--devices", type=int, default=2, help="devices of the one process (data parallel)")
+    p.add_argument("--gpu", action="store_true", help="run on JAX's default backend (a GPU host: its first "
+                   "--devices devices), not on --devices simulated CPU devices")
     p.add_argument("--steps", type=int, default=5, help="steps timed after each async save")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     a = p.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(a.devices))
+    if not a.gpu:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(a.devices))
     models, reps, steps = (QUICK_MODELS, 1, 2) if a.quick else (MODELS, a.reps, a.steps)
     rows = []
     for flags in models:

@@ -15,6 +15,11 @@ download; under 8 minutes on one H100/H200).
    and the dense GPT of equal active parameters (FFN 4096), and their step-time ratio (the
    MoE issue's target: <= 1.5x).
 
+6. With ``--checkpoint`` (off by default: about 2 more minutes), ``bench/checkpoint.py --gpu
+   --devices 1``: checkpoint save and load time and size by model size, and the step-time stall
+   of an async save (the checkpoint issue's target: <= 10% of a step for the default model; on
+   2 CPU cores the writer's work lands on the steps, on a GPU host it has the cores to itself).
+
 Writes ``bench/results/gpu_<device>.md`` and prints it. ``--smoke`` runs the same steps with
 tiny shapes (it runs on the CPU too: the test suite checks the script that way). Each step runs
 in its own process, so each gets the whole GPU (JAX reserves 75% of its memory at start).
@@ -48,8 +53,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--gpt-flags", default="", help="extra launch/pretrain.py flags (e.g. --scan-layers)")
     p.add_argument("--moe", action="store_true", help="also time a MoE GPT against the dense one of equal active "
                    "parameters (step 5)")
+    p.add_argument("--checkpoint", action="store_true", help="also measure checkpoints and the async-save stall "
+                   "on one GPU (step 6)")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
-    p.add_argument("--part", choices=["info", "attention"], default=None, help=argparse.SUPPRESS)  # a child step
+    p.add_argument("--part", choices=["info", "attention", "checkpoint"], default=None,
+                   help=argparse.SUPPRESS)  # a child step
     return p.parse_args()
 
 
@@ -183,6 +191,41 @@ def moe_report(runs: dict[str, dict], flags: dict[str, list[str]]) -> list[str]:
     return lines + [""]
 
 
+STALL_TARGET = 0.10
+"""The checkpoint issue's target: an async save stalls the steps by at most this share of a step."""
+
+
+def _bench_checkpoint():
+    """``bench/checkpoint.py`` as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_checkpoint", ROOT / "bench" / "checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def checkpoint_rows(smoke: bool) -> list[dict]:
+    """Step 6 (run in a child process): ``bench/checkpoint.py --gpu --devices 1``'s rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _bench_checkpoint().main(["--gpu", "--devices", "1", "--out", os.path.join(tmp, "checkpoint.md")]
+                           + (["--quick"] if smoke else []))
+
+
+def checkpoint_report(rows: list[dict] | dict) -> list[str]:
+    """Step 6's lines: the table and the default model's stall against the target (``rows``: the
+    child's rows, or ``{"error": ...}``)."""
+    lines = ["Checkpoints on one GPU (`bench/checkpoint.py --gpu --devices 1`: distributed optimizer; sync save, "
+             f"load, and the step-time stall of an async save; target: stall <= {STALL_TARGET:.0%} of a step for "
+             "the default model):", ""]
+    if "error" in rows:
+        return lines + [f"failed: {rows['error']}", ""]
+    stall = rows[0]["stall_share"]
+    verdict = "met" if stall <= STALL_TARGET else "NOT met"
+    return lines + [_bench_checkpoint().table(rows), "",
+                    f"Async-save stall, default model: **{stall:.0%}** of a step ({verdict})", ""]
+
+
 def report(info: dict, tests: dict | None, attention: dict, attention_shape, gpt: dict, flags: list[str]) -> str:
     """The markdown the run writes."""
     lines = [f"# GPU benchmark: {info['device']}", "",
@@ -221,12 +264,20 @@ def device_info() -> dict:
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]}
 
 
-def _child(part: str, a: argparse.Namespace) -> dict:
-    """Run ``--part part`` of this script in a fresh process; its last output line is JSON."""
+def _child(part: str, a: argparse.Namespace) -> dict | list:
+    """Run ``--part part`` of this script in a fresh process; its last output line is JSON. A
+    failed step gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns)."""
     cmd = [sys.executable, __file__, "--part", part] + (["--smoke"] if a.smoke else [])
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 900 s"}
     print(out.stdout[:-1] if out.returncode == 0 else out.stdout + out.stderr[-3000:], flush=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {out.returncode}: {last[:300]}"}
 
 
 def _attention_shape(smoke: bool) -> tuple[int, int, int, int]:
@@ -242,7 +293,12 @@ def main() -> None:
     if a.part == "attention":
         print(json.dumps(time_attention(_attention_shape(a.smoke), reps=3 if a.smoke else 20)))
         return
+    if a.part == "checkpoint":
+        print(json.dumps(checkpoint_rows(a.smoke)))
+        return
     info = _child("info", a)
+    if "error" in info:
+        raise SystemExit(f"the device query failed: {info['error']}")
     print(f"> {info['count']} x {info['device']} ({info['platform']}); JAX {info['jax']}, jaxlib {info['jaxlib']}",
           flush=True)
     tests = None if a.no_tests else run_gpu_tests()
@@ -260,6 +316,10 @@ def main() -> None:
         runs = {name: train_gpt(f) for name, f in moe_flags.items()}
         print(f"> MoE vs dense: {runs}", flush=True)
         text += "\n" + "\n".join(moe_report(runs, moe_flags))
+    if a.checkpoint:
+        rows = _child("checkpoint", a)
+        print(f"> checkpoints: {rows}", flush=True)
+        text += "\n" + "\n".join(checkpoint_report(rows))
     name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """``bench/gpu.py`` is run once per GPU lease with no chance to debug there: its CPU smoke run
 (every step, tiny shapes) must work and write its report."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,24 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
     assert "| moe | 1000 | 0.600 |" in text and "MoE step / dense step: **1.20**" in text
     failed = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {"error": "exit 1"}}, flags))
     assert "| moe | failed: exit 1 |" in failed and "MoE step / dense step" not in failed
+
+
+def test_checkpoint_step_runs_on_the_default_backend_and_its_report_reads_the_stall(tmp_path):
+    # --checkpoint's child step: bench/checkpoint.py --gpu on the default backend's first device
+    # (the CPU here, one device: the path a one-GPU host takes), then the report's verdict.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    env = dict(os.environ)
+    env.pop("JAX_NUM_CPU_DEVICES", None)  # --gpu must not ask for simulated devices
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--part", "checkpoint", "--smoke"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (row,) = json.loads(result.stdout.strip().splitlines()[-1])
+    assert row["params"] > 0 and row["save_s"] > 0 and row["step_ms"] > 0
+    text = "\n".join(bench_gpu.checkpoint_report([{**row, "stall_share": 0.05}]))
+    assert "Async-save stall, default model: **5%** of a step (met)" in text
+    assert "(NOT met)" in "\n".join(bench_gpu.checkpoint_report([{**row, "stall_share": 0.5}]))
+    assert "failed: exit 1" in "\n".join(bench_gpu.checkpoint_report({"error": "exit 1"}))
