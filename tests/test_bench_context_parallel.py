@@ -75,15 +75,13 @@ def test_longest_within_steps_to_the_exact_multiple():
 def test_hiding_between_processes_under_mpirun(tmp_path):
     """``mpirun -n 2 python bench/context_parallel.py --quick``: part 4 between real processes
     (cp 2, one device each, the hops real transfers), the table on rank 0 and in the report."""
-    import os
     import subprocess
     import sys
 
+    from spawn_env import spawn_env
+
     out = tmp_path / "processes.md"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if os.getuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = spawn_env()
     cmd = ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(ROOT / "bench" / "context_parallel.py"),
            "--quick", "--out", str(out)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)

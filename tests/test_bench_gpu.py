@@ -10,6 +10,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bench_gpu():
+    """``bench/gpu.py`` as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     out = tmp_path / "gpu.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
@@ -27,13 +37,10 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
     # --moe's two launches (the GPT launch itself is the smoke run's): flags the launcher accepts
     # (equal active parameters: 2 experts of half the dense FFN), and the report's ratio.
     import argparse
-    import importlib.util
 
     from core.training.arguments import parse_args, validate_args
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = _bench_gpu()
     for smoke in (True, False):
         flags = bench_gpu.moe_vs_dense_flags(argparse.Namespace(smoke=smoke, iters=3))
         one_gpu = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
@@ -52,11 +59,7 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
 def test_checkpoint_step_runs_on_the_default_backend_and_its_report_reads_the_stall(tmp_path):
     # --checkpoint's child step: bench/checkpoint.py --gpu on the default backend's first device
     # (the CPU here, one device: the path a one-GPU host takes), then the report's verdict.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "bench" / "gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = _bench_gpu()
     env = dict(os.environ)
     env.pop("JAX_NUM_CPU_DEVICES", None)  # --gpu must not ask for simulated devices
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--part", "checkpoint", "--smoke"],

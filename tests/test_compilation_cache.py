@@ -1,9 +1,10 @@
 """The launch path's persistent compilation cache (core/training/compilation_cache.py)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from spawn_env import spawn_env
 
 from core.training import compilation_cache
 
@@ -24,10 +25,7 @@ def test_cpu_isa_fingerprint_is_stable():
 
 
 def _launch(cache_dir, n=2, share=False):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if os.getuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = spawn_env()
     out = subprocess.run(["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(ROOT / "tests" / "cache_probe.py"),
                           str(cache_dir), *(["share"] if share else [])], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

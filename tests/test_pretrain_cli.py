@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from spawn_env import spawn_env
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "launch" / "pretrain.py")
@@ -23,11 +24,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if os.getuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
+    return spawn_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
 
 
 def _mpirun(n):

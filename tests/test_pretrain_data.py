@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from pretrain_harness import LLAMA, TINY
+from spawn_env import spawn_env
 
 from core import parallel_state as ps
 from core.data import DataParallelSampler, IndexedDataset, load_corpus
@@ -37,12 +38,8 @@ def _documents():
 
 
 def _env():
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env.pop("JAX_NUM_CPU_DEVICES", None)
-    if os.getuid() == 0:
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return env
+    return spawn_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false",
+                     PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
 
 
 @pytest.fixture(scope="module")

@@ -156,19 +156,17 @@ def _scores(q: jax.Array, k: jax.Array, diag: bool, scale: float, segs=None, row
     return s
 
 
-def _dropped(p: jax.Array, drop) -> jax.Array:
-    """``p`` dropped by ``drop = (keys, q_pos, k_pos, rate)`` (the block's global token indices),
-    the keep-mask drawn here, at the (tile of the) block's own size; ``p`` when ``drop`` is None."""
-    if drop is None:
-        return p
-    keys, q_pos, k_pos, rate = drop
-    return apply_dropout(p, attention_dropout_mask(keys, q_pos, k_pos, rate), rate)
+def _keep(drop) -> tuple[jax.Array | None, float]:
+    """``(keep, rate)`` for :func:`apply_dropout` from ``drop = (keys, q_pos, k_pos, rate)`` (the
+    block's global token indices): the keep-mask drawn here, at the (tile of the) block's own
+    size; ``(None, 0.0)`` when ``drop`` is None (nothing dropped)."""
+    return (None, 0.0) if drop is None else (attention_dropout_mask(*drop), drop[3])
 
 
 def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None, row0=0):
     """One block product (or a tile of its query rows, from ``row0``): its softmax-normalised
     output (float32) and row LSE (-inf, output 0, for a row with no key left: possible only under
-    the document mask, ``segs``). ``drop`` (see :func:`_dropped`) drops probabilities after the
+    the document mask, ``segs``). ``drop`` (see :func:`_keep`) drops probabilities after the
     normalisation (the LSE stays the undropped one, so the merge of blocks is unchanged)."""
     s = _scores(q, k, diag, scale, segs, row0)
     m = jnp.max(s, axis=-1, keepdims=True)  # finite without segs: every row has its diagonal key
@@ -177,7 +175,7 @@ def _block_forward(q, k, v, diag: bool, scale: float, segs=None, drop=None, row0
     p = jnp.exp(s - m)
     total = jnp.sum(p, axis=-1, keepdims=True)
     safe = jnp.where(total > 0, total, 1.0) if segs is not None else total
-    pd = _dropped(p, drop)
+    pd = apply_dropout(p, *_keep(drop))
     out = jnp.einsum("bhgqk,bhkd->bhgqd", pd.astype(v.dtype), v, preferred_element_type=F32) / safe
     return out, (m + jnp.log(total))[..., 0]  # log(0) = -inf for an empty row
 
@@ -274,7 +272,7 @@ def _block_masks(k_seg, k_pos, q_segs, keys, q_pos, rate: float, n: int):
     """Per (query slot, key slot) the ``(segs, drop)`` of the block functions, both None when
     unused: the document mask's ``(q_seg, k_seg)`` and the dropout's ``(keys, q_pos, k_pos,
     rate)``, the slots' global token indices (``q_pos`` per query slot, ``k_pos`` of the held
-    block) from which each product draws its keep-mask (:func:`_dropped`)."""
+    block) from which each product draws its keep-mask (:func:`_keep`)."""
     k_segs = None if q_segs is None else split_seq(k_seg, n, 1)
     k_poss = None if keys is None else jnp.split(k_pos, n)
 
@@ -338,8 +336,7 @@ def _block_backward(q, k, v, do, lse, delta, diag: bool, scale: float, segs=None
     exp(-inf) = 0). With dropout, dV reads the dropped probabilities and dP the kept entries;
     ``delta = rowsum(dO * O)`` of the dropped output is still ``rowsum(P * dP)``."""
     p = jnp.exp(_scores(q, k, diag, scale, segs, row0) - lse[..., None])
-    keep = None if drop is None else attention_dropout_mask(*drop)
-    rate = 0.0 if drop is None else drop[3]
+    keep, rate = _keep(drop)
     pd = apply_dropout(p, keep, rate)
     dv = jnp.einsum("bhgqk,bhgqd->bhkd", pd.astype(do.dtype), do, preferred_element_type=F32)
     dp = apply_dropout(jnp.einsum("bhgqd,bhkd->bhgqk", do, v, preferred_element_type=F32), keep, rate)
