@@ -3,7 +3,7 @@ parameters at ep = 1, 2, 4, 8; the share of the step in token dispatch and combi
 expert computation as a grouped GEMM (``ragged_dot``) vs a per-expert loop vs a padded batched
 matmul.
 
-    python bench/moe.py            # ~7 min of CPU time on 2 cores (26 min with other jobs on them)
+    python bench/moe.py            # ~1.5 min on 2 cores (2026-11-27)
     python bench/moe.py --quick    # tiny sizes, 2 devices, one round (~35 s of CPU time)
 
 One process, ``--devices`` (8) simulated CPU devices, float32.
@@ -14,25 +14,31 @@ One process, ``--devices`` (8) simulated CPU devices, float32.
    layer; the dense GPT has the same model with an FFN of ``k x --moe-ffn-hidden-size`` (the
    MoE's active parameters per token, the router's ``h x E`` aside). ep = 1, 2, 4, 8 for the MoE
    (data parallelism fills the rest: dp x ep = 8, the same global batch), dp = 8 for the dense
-   model. All programs timed round-robin, median step time; tokens/s = global batch x sequence
-   length / step time; ratio = MoE step / dense step. Target: <= 1.5 at ep = 1. On the CPU
-   ``GroupedMLP``'s grouped GEMM is ``blocked_ragged_dot`` (``core/transformer/moe/grouped_gemm.py``);
-   one more row, ep = 1, has the experts' ``jax.lax.ragged_dot`` (what accelerators run), traced
-   with :func:`ragged_dot_experts`.
+   model, routing balanced by ``--moe-router-force-load-balancing`` (Megatron's benchmarking
+   switch: random router logits), so the times measure the implementation rather than how the
+   initial router happens to split this data; at ep = 1 also the learned routing (the gate's
+   own choices) and, on the CPU, ``jax.lax.ragged_dot`` experts (what accelerators run, traced
+   with :func:`ragged_dot_experts`; on the CPU ``GroupedMLP`` runs the expert MLP over row
+   windows, ``core/transformer/moe/grouped_gemm.py``). Each row reports its busiest expert's
+   load over the mean (max over layers, one more step's global counts). All programs timed
+   round-robin, median step time; tokens/s = global batch x sequence length / step time; ratio =
+   MoE step / dense step. Target: <= 1.5 at ep = 1 (balanced).
 2. **Dispatch and combine.** At each ep, the MoE layer of part 1 (same tokens per rank, hidden
    size and experts, on the same mesh) forward + backward as one jitted ``shard_map``, and its
    pieces each jitted alone, forward + backward: the router (gate matmul, top-k, aux loss); the
    dispatch and combine with the experts replaced by the identity (sort by expert, gathers,
    ``all_to_all`` of counts and rows there and back, re-sort, prob-weighted sum; routing from the
    router as input); the experts (``GroupedMLP`` on the rows a dispatch produced). All timed
-   round-robin. Dispatch + combine share of the step = layers x dispatch-and-combine / part 1's
-   MoE step at that ep (an estimate: isolated pieces, summed; the step also has attention,
-   embedding, loss, the gradient all-reduce and Adam). Target: <= 25% at ep = 8.
+   round-robin, balanced routing as in part 1. Dispatch + combine share of the step = layers x
+   dispatch-and-combine / part 1's balanced MoE step at that ep (an estimate: isolated pieces,
+   summed; the step also has attention, embedding, loss, the gradient all-reduce and Adam).
+   Target: <= 25% at ep = 8.
 3. **Expert computation** (one device): the expert MLP ``fc2(gelu(fc1(x)))`` forward + backward
    (grads of the rows and both weights) on ``--gemm-rows`` rows grouped by expert (group sizes of
    a uniform random routing) over ``--experts`` experts: ``jax.lax.ragged_dot`` (``GroupedMLP`` on
-   accelerators; XLA:CPU lowers it to a masked product over every expert); ``blocked_ragged_dot``
-   (``GroupedMLP`` on the CPU: groups padded to blocks, one block-diagonal batched matmul); a
+   accelerators; XLA:CPU lowers it to a masked product over every expert); ``windowed_ragged_dot``
+   (the CPU's windows per GEMM: a batched matmul over a window of 1.25x the mean group per
+   expert, a second one for rows past it); a
    loop over experts, each over all rows, keeping its group's (``SequentialMLP``); and the
    padded batched matmul ``[E, rows / E, h] x [E, h, F]`` (every expert exactly ``rows / E`` rows:
    capacity factor 1 with perfect balance, the active FLOPs; the floor of the others).
@@ -103,37 +109,58 @@ def _one_step(t: Any) -> Any:
 @contextlib.contextmanager
 def ragged_dot_experts() -> Iterator[None]:
     """``GroupedMLP`` traced inside this context uses ``jax.lax.ragged_dot`` on every backend (on
-    the CPU it otherwise uses ``blocked_ragged_dot``, see ``core/transformer/moe/grouped_gemm.py``)."""
-    from jax import lax
-
+    the CPU it otherwise uses windows, see ``core/transformer/moe/grouped_gemm.py``)."""
     from core.transformer.moe import experts
 
-    saved, experts.grouped_gemm = experts.grouped_gemm, lax.ragged_dot
+    saved, experts.default_grouped_implementation = experts.default_grouped_implementation, lambda: "ragged_dot"
     try:
         yield
     finally:
-        experts.grouped_gemm = saved
+        experts.default_grouped_implementation = saved
+
+
+BALANCED = ["--moe-router-force-load-balancing"]
+"""Balanced routing: random router logits (Megatron's benchmarking option), every expert about
+``T * k / E`` rows, so the step time measures the implementation, not the router's state."""
+
+
+def _expert_load(t: Any) -> float:
+    """Max over layers of the most loaded expert's share over the mean, from one more step."""
+    import numpy as np
+
+    counts = np.asarray(t.dispatch_step()["_metrics"]["model"]["moe_tokens_per_expert"]).reshape(-1, t.args.num_experts)
+    return float((counts.max(axis=1) / counts.mean(axis=1)).max())
 
 
 def step_rows(a: argparse.Namespace, eps: Sequence[int]) -> list[dict[str, Any]]:
-    """Part 1: the dense model and the MoE model at each ep, round-robin median step times; at ep=1
-    also the MoE model with ``ragged_dot`` experts on the CPU (traced, by its first step, in
-    :func:`ragged_dot_experts`)."""
+    """Part 1: the dense model, the MoE model with balanced routing at each ep, and at ep=1 the MoE
+    model with its own (learned) routing and, on the CPU, with ``ragged_dot`` experts (traced, by
+    its first step, in :func:`ragged_dot_experts`); round-robin median step times."""
     import jax
 
-    grouped = "grouped GEMM" if jax.default_backend() != "cpu" else "blocked grouped GEMM"
-    cases = [("dense", 1, trainer(model_flags(a) + ["--ffn-hidden-size", str(a.topk * a.ffn)], a.devices))]
-    cases += [(f"moe, {grouped}", ep, trainer(model_flags(a) + moe_flags(a, ep), a.devices)) for ep in eps]
+    grouped = "grouped GEMM" if jax.default_backend() != "cpu" else "windowed grouped GEMM"
+    cases = [("dense", "", 1, trainer(model_flags(a) + ["--ffn-hidden-size", str(a.topk * a.ffn)], a.devices))]
+    cases += [(f"moe, {grouped}", "balanced", ep, trainer(model_flags(a) + moe_flags(a, ep) + BALANCED, a.devices))
+              for ep in eps]
+    if 1 in eps:
+        cases.append((f"moe, {grouped}", "learned", 1, trainer(model_flags(a) + moe_flags(a, 1), a.devices)))
     if 1 in eps and jax.default_backend() == "cpu":
         with ragged_dot_experts():
-            cases.append(("moe, ragged_dot", 1, trainer(model_flags(a) + moe_flags(a, 1), a.devices)))
-            jax.block_until_ready(_one_step(cases[-1][2]))
-    params = [sum(x.size for x in jax.tree.leaves(t.params)) for _, _, t in cases]
-    times = round_robin_medians([partial(_one_step, t) for _, _, t in cases], reps=a.reps, warmup=2)
+            cases.append(("moe, ragged_dot", "balanced", 1,
+                          trainer(model_flags(a) + moe_flags(a, 1) + BALANCED, a.devices)))
+            jax.block_until_ready(_one_step(cases[-1][3]))
+    params = [sum(x.size for x in jax.tree.leaves(t.params)) for *_, t in cases]
+    times = round_robin_medians([partial(_one_step, t) for *_, t in cases], reps=a.reps, warmup=2)
     tokens = a.global_batch * a.seq
     dense_s = times[0][0]
-    return [{"model": name, "ep": ep, "dp": a.devices // ep, "params": n, "step_s": s, "tokens_per_s": tokens / s,
-             "ratio": s / dense_s} for (name, ep, _), n, (s,) in zip(cases, params, times)]
+    return [{"model": name, "routing": routing, "ep": ep, "dp": a.devices // ep, "params": n, "step_s": s,
+             "tokens_per_s": tokens / s, "ratio": s / dense_s, "load": _expert_load(t) if routing else None}
+            for (name, routing, ep, t), n, (s,) in zip(cases, params, times)]
+
+
+def _balanced_step(steps: list[dict[str, Any]], ep: int, model_prefix: str = "moe, ") -> dict[str, Any] | None:
+    return next((r for r in steps if r["model"].startswith(model_prefix) and r["routing"] == "balanced"
+                 and r["ep"] == ep and "ragged_dot" not in r["model"]), None)
 
 
 # -- 2. dispatch and combine -------------------------------------------------------------------
@@ -142,7 +169,7 @@ def _moe_config(a: argparse.Namespace) -> Any:
 
     return MoEConfig(num_experts=a.experts, moe_ffn_hidden_size=a.ffn, moe_router_topk=a.topk,
                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True, moe_aux_loss_coeff=0.01,
-                     moe_router_dtype="fp32")
+                     moe_router_dtype="fp32", moe_router_force_load_balancing=True)  # part 1's balanced routing
 
 
 def layer_pieces(a: argparse.Namespace, ep: int) -> dict[str, Callable[[], Any]]:
@@ -157,6 +184,7 @@ def layer_pieces(a: argparse.Namespace, ep: int) -> dict[str, Callable[[], Any]]
     from core.param_metadata import init_sharded_params
     from core.transformer.moe import MoELayer
     from core.transformer.moe.experts import GroupedMLP
+    from core.transformer.moe.grouped_gemm import default_window
     from core.transformer.moe.router import RouterOutput, TopKRouter
     from core.transformer.moe.token_dispatcher import build_token_dispatcher
 
@@ -201,7 +229,7 @@ def layer_pieces(a: argparse.Namespace, ep: int) -> dict[str, Callable[[], Any]]
             return jnp.sum(y * y)
         return jax.grad(loss, argnums=(0, 1))(x, probs)
 
-    experts = GroupedMLP(a.experts // ep, a.hidden, a.ffn)
+    experts = GroupedMLP(a.experts // ep, a.hidden, a.ffn, window=default_window(tokens * a.topk, a.experts // ep))
 
     def expert_grads(p, rows, group_sizes):
         def loss(p, rows):
@@ -226,7 +254,7 @@ def dispatch_rows(a: argparse.Namespace, eps: Sequence[int], steps: list[dict[st
     for ep in eps:
         pieces = layer_pieces(a, ep)
         times = dict(zip(pieces, (t for (t,) in round_robin_medians(list(pieces.values()), reps=a.reps))))
-        step = next(r["step_s"] for r in steps if r["model"].startswith("moe") and r["ep"] == ep)
+        step = _balanced_step(steps, ep)["step_s"]
         rows.append({"ep": ep, **{f"{k}_s": v for k, v in times.items()}, "step_s": step,
                      "share_of_layer": times["dispatch_combine"] / times["layer"],
                      "share_of_step": a.layers * times["dispatch_combine"] / step})
@@ -241,13 +269,13 @@ def expert_mlps(experts: int) -> dict[str, Callable[..., Any]]:
     from jax import lax
 
     from core.tensor_parallel.fast_vjp import gelu
-    from core.transformer.moe.grouped_gemm import blocked_ragged_dot, group_ids
+    from core.transformer.moe.grouped_gemm import group_ids, windowed_ragged_dot
 
     def ragged(rows, w1, w2, gs):
         return lax.ragged_dot(gelu(lax.ragged_dot(rows, w1, gs)), w2, gs)
 
-    def blocked(rows, w1, w2, gs):
-        return blocked_ragged_dot(gelu(blocked_ragged_dot(rows, w1, gs)), w2, gs)
+    def windowed(rows, w1, w2, gs):
+        return windowed_ragged_dot(gelu(windowed_ragged_dot(rows, w1, gs)), w2, gs)
 
     def loop(rows, w1, w2, gs):
         gid = group_ids(gs, rows.shape[0])
@@ -260,7 +288,7 @@ def expert_mlps(experts: int) -> dict[str, Callable[..., Any]]:
         x = rows.reshape(experts, -1, rows.shape[-1])
         return jnp.einsum("ecf,efh->ech", gelu(jnp.einsum("ech,ehf->ecf", x, w1)), w2).reshape(rows.shape)
 
-    return {"ragged_dot": ragged, "blocked_ragged_dot": blocked, "per-expert loop": loop,
+    return {"ragged_dot": ragged, "windowed_ragged_dot": windowed, "per-expert loop": loop,
             "padded batched matmul": batched}
 
 
@@ -290,8 +318,10 @@ def gemm_rows(a: argparse.Namespace) -> list[dict[str, Any]]:
 
 # -- the tables --------------------------------------------------------------------------------
 def step_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | ep | dp | parameters | step ms | tokens/s | step / dense |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['ep']} | {r['dp']} | {r['params'] / 1e6:.2f}M | {r['step_s'] * 1e3:.0f} | "
+    lines = ["| model | routing | busiest expert / mean | ep | dp | parameters | step ms | tokens/s | step / dense |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['routing'] or '-'} | {'-' if r['load'] is None else format(r['load'], '.2f')} | "
+              f"{r['ep']} | {r['dp']} | {r['params'] / 1e6:.2f}M | {r['step_s'] * 1e3:.0f} | "
               f"{r['tokens_per_s']:.0f} | {r['ratio']:.2f} |" for r in rows]
     return "\n".join(lines)
 
@@ -367,14 +397,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(workload, flush=True)
 
     steps = step_rows(a, eps)
-    at1 = next((r["ratio"] for r in steps if r["model"].startswith("moe") and r["ep"] == 1), float("nan"))
+    at1 = (_balanced_step(steps, 1) or {}).get("ratio", float("nan"))
     step_text = step_table(steps)
     if 1 in eps:
-        step_text += (f"\n\nMoE step / dense step at ep=1: **{at1:.2f}** (target <= {TARGET_STEP_RATIO}: "
-                      f"{'met' if at1 <= TARGET_STEP_RATIO else 'NOT met'})")
+        learned = next(r for r in steps if r["routing"] == "learned")
+        step_text += (f"\n\nMoE step / dense step at ep=1, balanced routing: **{at1:.2f}** (target <= "
+                      f"{TARGET_STEP_RATIO}: {'met' if at1 <= TARGET_STEP_RATIO else 'NOT met'}); with the "
+                      f"router's own routing {learned['ratio']:.2f} (busiest expert {learned['load']:.2f}x the mean)")
         ragged = [r["ratio"] for r in steps if r["model"] == "moe, ragged_dot"]
         if ragged:
-            step_text += f"; with `ragged_dot` experts {ragged[0]:.2f}"
+            step_text += f"; balanced with `ragged_dot` experts {ragged[0]:.2f}"
     print(f"\n1. training step (median of {a.reps} round-robin rounds; {run.lap()})\n\n{step_text}", flush=True)
 
     dispatch = dispatch_rows(a, eps, steps)

@@ -30,7 +30,8 @@ def test_quick_run_figures_and_report(tmp_path):
     dense, *moe = res["steps"]
     assert (dense["model"], dense["ratio"]) == ("dense", 1.0)
     # --quick: 2 devices, ep 2 (no ragged_dot row: that one is at ep 1).
-    assert [(r["model"], r["ep"], r["dp"]) for r in moe] == [("moe, blocked grouped GEMM", 2, 1)]
+    assert [(r["model"], r["routing"], r["ep"], r["dp"]) for r in moe] == [("moe, windowed grouped GEMM", "balanced", 2, 1)]
+    assert dense["load"] is None and moe[0]["load"] >= 1.0  # the busiest expert's load over the mean
     for r in res["steps"]:
         assert all(_positive(r[k]) for k in ("params", "step_s", "tokens_per_s", "ratio"))
         assert math.isclose(r["tokens_per_s"] * r["step_s"], 4 * 32)  # global batch x seq
@@ -43,11 +44,11 @@ def test_quick_run_figures_and_report(tmp_path):
     assert d["share_of_step"] == res["dispatch_share_max_ep"]
 
     gemm = {r["method"]: r for r in res["gemm"]}
-    assert set(gemm) == {"ragged_dot", "blocked_ragged_dot", "per-expert loop", "padded batched matmul"}
+    assert set(gemm) == {"ragged_dot", "windowed_ragged_dot", "per-expert loop", "padded batched matmul"}
     assert gemm["padded batched matmul"]["over_batched"] == 1.0
     assert all(_positive(r["time_s"]) and _positive(r["gflops"]) and _positive(r["over_batched"]) for r in gemm.values())
 
     text = out.read_text()
     for heading in ("## 1. Training step", "## 2. Dispatch + combine", "## 3. Expert computation"):
         assert heading in text
-    assert "| moe, blocked grouped GEMM | 2 | 1 |" in text and "| ragged_dot |" in text
+    assert "| moe, windowed grouped GEMM | balanced |" in text and "| ragged_dot |" in text

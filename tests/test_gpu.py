@@ -100,29 +100,37 @@ def test_context_parallel_blocks_run_xla_on_the_gpu_and_match_causal_attention(c
     _close(_value_and_grads(cp_attention, *bf16), want, 3e-2)
 
 
-def test_grouped_gemm_runs_ragged_dot_and_matches_the_expert_loop():
-    """The MoE experts' grouped GEMM off the CPU is ``lax.ragged_dot``: values and both grads equal a
-    loop over the experts (fp32, highest precision); rows past the groups give zeros."""
-    from core.transformer.moe.grouped_gemm import grouped_gemm
+def test_grouped_mlp_runs_ragged_dot_and_matches_the_expert_loop():
+    """The MoE experts off the CPU run ``lax.ragged_dot``: ``GroupedMLP``'s values and grads equal
+    ``SequentialMLP``'s (fp32, highest precision), with an empty group and padding rows."""
+    from jax.sharding import PartitionSpec as P
 
+    from core import parallel_state as ps
+    from core.transformer.moe.experts import GroupedMLP, SequentialMLP, default_grouped_implementation
+
+    assert default_grouped_implementation() == "ragged_dot"
     rng = np.random.default_rng(0)
-    m, k, n, e = 512, 64, 96, 8
-    sizes = np.bincount(rng.integers(0, e, m - 37), minlength=e)
-    lhs, rhs, w = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((m, k), (e, k, n), (m, n)))
+    m, h, f, e = 512, 64, 96, 8
+    sizes = np.bincount(rng.integers(0, e - 1, m - 37), minlength=e)  # the last expert gets none
+    rows = jnp.asarray(rng.normal(size=(m, h)), jnp.float32)
     group_sizes = jnp.asarray(sizes, jnp.int32)
-    assert "ragged_dot" in str(jax.make_jaxpr(grouped_gemm)(lhs, rhs, group_sizes))
+    shapes = {"weight1": (e, h, f), "weight2": (e, f, h), "bias1": (e, f), "bias2": (e, h)}
+    params = {"params": {k: jnp.asarray(rng.normal(size=v) * 0.1, jnp.float32) for k, v in shapes.items()}}
+    mesh = ps.build_parallel_state(devices=jax.devices()[:1]).mesh
+    outs = []
+    for cls in (GroupedMLP, SequentialMLP):
+        module = cls(e, h, f)
 
-    def loop(lhs, rhs, group_sizes):
-        out, start = jnp.zeros((m, n), jnp.float32), 0
-        for g, size in enumerate(sizes):
-            out = out.at[start:start + size].set(lhs[start:start + size] @ rhs[g])
-            start += size
-        return out
+        def loss(p, r, module=module):
+            return jnp.sum(jnp.sin(module.apply(p, r, group_sizes)[: m - 37]))
 
-    with jax.default_matmul_precision("highest"):
-        got, want = (jax.jit(jax.value_and_grad(lambda a, b: jnp.sum(f(a, b, group_sizes) * w), argnums=(0, 1)))(
-            lhs, rhs) for f in (grouped_gemm, loop))
-    _close(got, want, 1e-4)
+        fn = jax.jit(jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P(), P()),
+                                   out_specs=P(), check_vma=False))
+        if cls is GroupedMLP:
+            assert "ragged_dot" in str(jax.make_jaxpr(fn)(params, rows))
+        with jax.default_matmul_precision("highest"):
+            outs.append(fn(params, rows))
+    _close(outs[0], outs[1], 1e-4)
 
 
 def test_moe_bf16_pretraining_learns():

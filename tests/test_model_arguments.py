@@ -175,7 +175,7 @@ def test_moe_flags_map_onto_the_config():
                        "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
                        "--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
                        "position", "--moe-shared-expert-intermediate-size", "64", "--moe-router-dtype", "fp32",
-                       "--global-batch-size", "32"])
+                       "--moe-router-force-load-balancing", "--global-batch-size", "32"])
     layout = validate_args(args, 16)  # tp2 pp2 dp4, ep2
     assert (layout.data_parallel_size, layout.expert_model_parallel_size) == (4, 2)
     config = model_config(args)
@@ -188,6 +188,8 @@ def test_moe_flags_map_onto_the_config():
     assert (moe.moe_expert_capacity_factor, moe.moe_token_drop_policy, moe.moe_shared_expert_intermediate_size) == \
         (1.5, "position", 64)
     assert (moe.moe_router_dtype, moe.swiglu, moe.add_bias_linear) == ("fp32", True, False)
+    assert moe.moe_router_force_load_balancing and not model_config(parse_args(["--num-experts", "4"])) \
+        .moe.moe_router_force_load_balancing
     assert model_config(parse_args([])).moe is None  # dense without --num-experts
     assert model_config(parse_args(["--num-experts", "4", "--moe-layer-freq", "2", "--num-layers", "4"])) \
         .moe_layer_pattern == (True, False, True, False)

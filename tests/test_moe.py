@@ -394,6 +394,47 @@ def test_expert_bias_changes_the_selection():
     assert (_decisions(cfg, params, x)[0] != _decisions(cfg, unbiased, x)[0]).any()
 
 
+def test_force_load_balancing_routes_by_random_logits_with_the_gates_gradient():
+    """``--moe-router-force-load-balancing`` (Megatron's benchmarking option): the top-k comes from
+    random normal logits, so a gate that sends every token to expert 0 still spreads the ``T * k``
+    assignments evenly; the gate's gradient is the routing's gradient at the random logits, passed
+    straight through (``dW = dL/dlogits^T x``)."""
+    from core.transformer.moe import moe_utils
+    from core.transformer.moe.router import TopKRouter
+
+    t, k = 4096, 2
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(t, 1, H)) + 3.0, jnp.float32)
+    gate = np.zeros((E, H), np.float32)
+    gate[0] = 1.0  # expert 0's logit is about 3 * H above the others' for every token
+    cot = jnp.asarray(rng.normal(size=(t, k)), jnp.float32)
+    mesh = _state(devices=1).mesh
+
+    def run(cfg, weight, method=None, arg=x):
+        module = TopKRouter(cfg)
+        fn = lambda w, a: module.apply({"params": {"weight": w}}, a, method=method)
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False))(weight, arg)
+
+    forced = MoEConfig(num_experts=E, moe_ffn_hidden_size=F, moe_router_topk=k, moe_router_force_load_balancing=True)
+    learned = dataclasses.replace(forced, moe_router_force_load_balancing=False)
+    assert np.asarray(run(learned, gate).tokens_per_expert)[0] == t  # the gate alone: all on expert 0
+    counts = np.asarray(run(forced, gate).tokens_per_expert)
+    assert counts.sum() == t * k and counts.max() < 1.2 * t * k / E, counts
+    noise = run(forced, gate, TopKRouter._random_logits, jnp.zeros((t, E), jnp.float32))
+    routed = run(forced, gate)
+    want_probs, want_indices = moe_utils.topk_routing_with_score_function(noise, k)
+    np.testing.assert_array_equal(routed.indices, want_indices)
+    _close(routed.probs, want_probs)
+
+    def loss(w):
+        module = TopKRouter(forced)
+        fn = lambda w, a: jnp.sum(module.apply({"params": {"weight": w}}, a).probs * cot)
+        return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(w, x)
+
+    d_logits = jax.grad(lambda z: jnp.sum(moe_utils.topk_routing_with_score_function(z, k)[0] * cot))(noise)
+    _close(jax.jit(jax.grad(loss))(gate), d_logits.T @ x.reshape(t, H))
+
+
 @pytest.mark.parametrize("ep", [2, 4, 8])
 def test_expert_parallel_equals_one_device(ep):
     """ep ranks hold different tokens and experts (dense dp 8 = expert dp 8/ep x ep): the reference."""
@@ -430,9 +471,10 @@ def test_context_parallel_with_expert_parallel_equals_reference():
     _check_against_reference("seq_aux_shared_swiglu", out, specs, state)
 
 
-def test_grouped_mlp_equals_sequential_loop():
-    """GroupedMLP (on the CPU: blocked_ragged_dot) == the per-expert loop, outputs and grads, with
-    empty and padding groups."""
+@pytest.mark.parametrize("implementation,window", [("windows", None), ("windows", 2), ("ragged_dot", None)])
+def test_grouped_mlp_equals_sequential_loop(implementation, window):
+    """GroupedMLP (the CPU's windows, with and without pass 2, and accelerators' ragged_dot) == the
+    per-expert loop, outputs and grads, with empty and padding groups."""
     state = _state(devices=1)
     rng = np.random.default_rng(3)
     rows = jnp.asarray(rng.normal(size=(20, H)), jnp.float32)
@@ -440,7 +482,8 @@ def test_grouped_mlp_equals_sequential_loop():
     shapes = {"weight1": (4, H, 2 * F), "weight2": (4, F, H), "bias1": (4, 2 * F), "bias2": (4, H)}
     params = {"params": {k: jnp.asarray(rng.normal(size=v) * 0.3, jnp.float32) for k, v in shapes.items()}}
     outs = []
-    for cls in (GroupedMLP, SequentialMLP):
+    grouped = functools.partial(GroupedMLP, window=window, implementation=implementation)
+    for cls in (grouped, SequentialMLP):
         module = cls(4, H, F, gated_linear_unit=True)
 
         def loss(p, r, module=module):
@@ -453,22 +496,24 @@ def test_grouped_mlp_equals_sequential_loop():
         _close(got, want)
 
 
-@pytest.mark.parametrize("sizes,block", [((3, 0, 7, 2), None), ((3, 0, 7, 2), 2), ((0, 20, 0, 0), 4),
-                                         ((5, 5, 5, 5), 8), ((0, 0, 0, 0), None), ((1, 0, 0, 11), 3)])
-def test_blocked_ragged_dot_equals_ragged_dot(sizes, block):
+@pytest.mark.parametrize("sizes,window", [((3, 0, 7, 2), None), ((3, 0, 7, 2), 2), ((0, 20, 0, 0), 4),
+                                          ((5, 5, 5, 5), 8), ((0, 0, 0, 0), None), ((1, 0, 0, 11), 3),
+                                          ((4, 4, 4, 4), 3), ((2, 9, 0, 9), 4)])
+def test_windowed_ragged_dot_equals_ragged_dot(sizes, window):
     """The CPU grouped GEMM == ``lax.ragged_dot``: outputs and the grads of both operands, with empty
-    groups, padding rows (zeros out), groups over several blocks and block sizes not dividing them."""
+    groups, padding rows (zeros out), groups longer than the window (pass 2: one, several, or every
+    group), windows not dividing them, and the window default."""
     from jax import lax
 
-    from core.transformer.moe.grouped_gemm import blocked_ragged_dot, grouped_gemm
+    from core.transformer.moe.grouped_gemm import windowed_ragged_dot
 
-    rng = np.random.default_rng(sum(sizes) + (block or 0))
+    rng = np.random.default_rng(sum(sizes) + (window or 0))
     lhs = jnp.asarray(rng.normal(size=(20, H)), jnp.float32)
     rhs = jnp.asarray(rng.normal(size=(len(sizes), H, F)), jnp.float32)
     cot = jnp.asarray(rng.normal(size=(20, F)), jnp.float32)
     gs = jnp.asarray(sizes, jnp.int32)
     outs = []
-    for dot in (functools.partial(blocked_ragged_dot, block=block), lax.ragged_dot):
+    for dot in (functools.partial(windowed_ragged_dot, window=window), lax.ragged_dot):
         def loss(x, w, dot=dot):
             y = dot(x, w, gs)
             return jnp.sum(y * cot), y
@@ -477,8 +522,13 @@ def test_blocked_ragged_dot_equals_ragged_dot(sizes, block):
     assert not np.any(np.asarray(got)[sum(sizes):])  # padding rows give zeros, as ragged_dot's
     for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         _close(got, want)
-    # GroupedMLP's grouped GEMM is the blocked one on the CPU: no ragged_dot in its program.
-    assert "ragged_dot" not in str(jax.make_jaxpr(grouped_gemm)(lhs, rhs, gs))
+    # GroupedMLP runs the windows on the CPU: no ragged_dot in its program.
+    e = len(sizes)
+    shapes = {"weight1": (e, H, F), "weight2": (e, F, H), "bias1": (e, F), "bias2": (e, H)}
+    params = {"params": {name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()}}
+    fn = jax.shard_map(lambda p, x: GroupedMLP(e, H, F).apply(p, x, gs), mesh=_state(devices=1).mesh,
+                       in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    assert "ragged_dot" not in str(jax.make_jaxpr(fn)(params, lhs))
 
 
 SGD = OptimizerConfig(optimizer="sgd", lr=1.0, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)

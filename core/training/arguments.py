@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "load; checkpointed, not optimized")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
                    help="expert-bias update rate (with --moe-router-enable-expert-bias; default 1e-3)")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true", default=None,
+                   help="benchmarking only: route by random logits (balanced expert loads), gradients straight "
+                        "through to the gate")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=16)
@@ -273,7 +276,7 @@ MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_ro
              "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
              "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_token_drop_policy",
              "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_router_dtype",
-             "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+             "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_force_load_balancing")
 """The MoE flags besides ``--num-experts`` (None when not given)."""
 
 

@@ -1,5 +1,6 @@
-"""The routed experts: ``GroupedMLP`` (one grouped GEMM over all local experts: ``jax.lax.ragged_dot``,
-on the CPU a block-diagonal batched matmul, see :mod:`core.transformer.moe.grouped_gemm`) and
+"""The routed experts: ``GroupedMLP`` (all local experts at once: ``jax.lax.ragged_dot`` grouped GEMMs,
+on the CPU batched matmuls over windows of each expert's rows, see
+:mod:`core.transformer.moe.grouped_gemm`) and
 ``SequentialMLP`` (a loop over the local experts), with the same parameters.
 
 Both take the rows the dispatcher grouped by local expert, ``rows [M, h]`` with
@@ -24,12 +25,13 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import gelu
 from core.tensor_parallel.layers import default_init_method
 from core.tensor_parallel.random import tensor_parallel_init
-from core.transformer.moe.grouped_gemm import group_ids, grouped_gemm
+from core.transformer.moe.grouped_gemm import group_ids, windowed_apply
 
 EP_NAMES3 = ("ep", None, None)
 EP_NAMES2 = ("ep", None)
@@ -80,24 +82,46 @@ class _ExpertMLPBase(nn.Module):
         return gelu(x)
 
 
+def default_grouped_implementation() -> str:
+    """``GroupedMLP``'s implementation when none is set: ``"windows"`` when JAX's default backend is
+    the CPU, else ``"ragged_dot"``."""
+    return "windows" if jax.default_backend() == "cpu" else "ragged_dot"
+
+
 class GroupedMLP(_ExpertMLPBase):
-    """All local experts as two grouped GEMMs (:func:`~core.transformer.moe.grouped_gemm.grouped_gemm`),
-    Megatron's ``--moe-grouped-gemm``."""
+    """All local experts at once, Megatron's ``--moe-grouped-gemm``: two ``jax.lax.ragged_dot``
+    grouped GEMMs, or on the CPU the whole expert MLP over windows of each expert's rows
+    (:func:`~core.transformer.moe.grouped_gemm.windowed_apply`)."""
+
+    window: int | None = None
+    """Rows per expert of the windows' first pass (:func:`~core.transformer.moe.grouped_gemm.
+    default_window` of the expected rows; None: of all ``M`` rows). Only speed depends on it."""
+    implementation: str | None = None
+    """``"ragged_dot"`` or ``"windows"`` (None: :func:`default_grouped_implementation`)."""
 
     @nn.compact
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Expert outputs ``[M, h]`` of ``rows [M, h]`` grouped by local expert (``group_sizes [E_local]``)."""
-        w1, b1, w2, b2 = self._params()
+        w1, b1, w2, b2 = (None if p is None else p.astype(rows.dtype) for p in self._params())
         gs = group_sizes.astype(jnp.int32)
+        if (self.implementation or default_grouped_implementation()) == "windows":
+            def mlp(x: jax.Array, p: tuple) -> jax.Array:  # x [windows, window, h], p their experts' weights
+                w1, b1, w2, b2 = p
+                h = jnp.einsum("cwk,ckf->cwf", x, w1)
+                if b1 is not None:
+                    h = h + b1[:, None]
+                y = jnp.einsum("cwf,cfh->cwh", self._activation(h), w2)
+                return y if b2 is None else y + b2[:, None]
+            return windowed_apply(rows, (w1, b1, w2, b2), gs, mlp, self.window)
         gid = group_ids(gs, rows.shape[0])
         valid = (gid < self.num_local_experts)[:, None]
         safe = jnp.minimum(gid, self.num_local_experts - 1)
-        h = grouped_gemm(rows, w1.astype(rows.dtype), gs)
+        h = lax.ragged_dot(rows, w1, gs)
         if b1 is not None:
-            h = h + jnp.where(valid, b1.astype(h.dtype)[safe], 0)
-        y = grouped_gemm(self._activation(h), w2.astype(rows.dtype), gs)
+            h = h + jnp.where(valid, b1[safe], 0)
+        y = lax.ragged_dot(self._activation(h), w2, gs)
         if b2 is not None:
-            y = y + jnp.where(valid, b2.astype(y.dtype)[safe], 0)
+            y = y + jnp.where(valid, b2[safe], 0)
         return y
 
 

@@ -1,29 +1,46 @@
-"""The grouped GEMM of ``GroupedMLP``: ``jax.lax.ragged_dot``, or on the CPU a loop over row blocks
-that computes only each row's own expert.
+"""The grouped GEMMs of ``GroupedMLP`` on the CPU: batched matmuls over windows of each group's rows.
 
-``grouped_gemm(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]``: rows ``lhs[s_g : s_g + n_g]``
-(``s_g`` the sum of the earlier sizes) times ``rhs[g]``; rows past ``sum(group_sizes)`` give zeros.
+A grouped GEMM ``(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N]`` multiplies rows
+``lhs[s_g : s_g + n_g]`` (``s_g`` the sum of the earlier sizes) by ``rhs[g]``; rows past
+``sum(group_sizes)`` give zeros. Accelerators run it as ``jax.lax.ragged_dot``; XLA:CPU lowers
+that to a masked dense product over every group (``G`` times the FLOPs and a ``[G, M, N]``
+temporary). :func:`windowed_apply` instead cuts every group's rows into windows of ``window``
+rows (a static size a little above the mean group, :func:`default_window`) and runs a per-window
+computation (``GroupedMLP``'s whole expert MLP, or one GEMM: :func:`windowed_ragged_dot`) as
+batched matmuls:
 
-XLA:CPU lowers ``ragged_dot`` to a masked dense product over every group (``G`` times the FLOPs
-and a ``[G, M, N]`` temporary). :func:`blocked_ragged_dot` instead pads every group to a multiple of
-``block`` rows and gathers the rows into ``[B, block, K]`` blocks (``B = ceil(M / block) + G``, a
-static bound), then scans over the blocks: a block that holds rows multiplies them by its expert's
-weight (read in place, not gathered into a ``[B, K, N]`` copy), an unused block (past the last
-group, the static bound's slack) is skipped by ``lax.cond``; each row's output is gathered back.
-Work: the used blocks' rows, at most ``M + G x (block - 1)``. The row gathers are permutations, so
-their transposes are gathers too (a custom VJP; XLA:CPU's scatter-add is an element loop), and the
-scan's transpose adds each block's weight gradient into its expert's slice in place. The result
-and its gradients equal ``ragged_dot``'s up to float rounding (the same per-row products).
+* pass 1: every group's first window, ``[G, window, K] x [G, K, N]``, the weights as they are;
+  a routing no more uneven than the window's margin needs nothing else;
+* pass 2, run only when a group is longer than its window (``lax.cond``): the groups' further
+  windows, fewer than ``M / window``, as one batched matmul with their groups' weights gathered.
+
+Work: ``G x window`` rows, plus about ``M`` when a group overflows; padding rows past the groups
+(the all-to-all's worst-case buffer) cost only the final gather. (A scan over small row blocks,
+the previous CPU path, paid a fixed cost per block that made it 3-6x a dense matmul of the same
+FLOPs; these batched matmuls run at the dense matmul's speed.) A custom VJP keeps the backward
+lean: rows move into windows and back with gathers whose transposes are the inverse gathers
+(XLA:CPU's scatter-add is an element loop), and pass 2 is recomputed under its own ``lax.cond``
+(differentiating through the forward's ``cond`` would fill its residuals and weight gradients
+with zeros every step even when pass 2 does not run). Results and gradients equal
+``ragged_dot``'s up to float rounding (the same per-row products).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-MIN_BLOCK, MAX_BLOCK = 8, 128
-"""The block rows :func:`default_block` picks between."""
+WINDOW_MARGIN = 1.25
+"""Pass 1's window over the mean group size: routing at initialisation and under a load-balancing
+loss stays within it (a longer group costs pass 2, about as much again)."""
+WINDOW_MULTIPLE = 8
+"""Windows are whole multiples of this many rows."""
 
 
 def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
@@ -32,74 +49,117 @@ def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
                             side="right").astype(jnp.int32)
 
 
-def default_block(num_rows: int, num_groups: int) -> int:
-    """Rows per block: the largest power of two within the mean group size ``num_rows / num_groups``
-    (padding each group to whole blocks then adds at most about as many rows as it holds), within
-    ``[MIN_BLOCK, MAX_BLOCK]`` (measured on the CPU: fewer, larger blocks run faster)."""
-    target = max(1, num_rows // max(1, num_groups))
-    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (target.bit_length() - 1)))
+def default_window(expected_rows: int, num_groups: int) -> int:
+    """Pass 1's rows per group: ``WINDOW_MARGIN`` times the mean group size of ``expected_rows``
+    real rows, rounded up to a multiple of ``WINDOW_MULTIPLE``."""
+    window = math.ceil(WINDOW_MARGIN * expected_rows / max(1, num_groups))
+    return max(WINDOW_MULTIPLE, -(-window // WINDOW_MULTIPLE) * WINDOW_MULTIPLE)
 
 
-@jax.custom_vjp
-def _take_rows(a: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
-    """``a`` with a zero row appended, rows taken at ``index`` (``len(a)``: a zero row). ``inverse``:
-    for each row of ``a`` the one output row it went to (``len(index)``: none), so the transpose
-    is the same kind of gather."""
+def _take_rows(a: jax.Array, index: jax.Array) -> jax.Array:
+    """``a`` with a zero row appended, rows taken at ``index`` (``len(a)``: a zero row)."""
     return jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])[index]
 
 
-def _take_rows_fwd(a, index, inverse):
-    return _take_rows(a, index, inverse), (index, inverse)
-
-
-def _take_rows_bwd(residuals, g):
-    index, inverse = residuals
-    return _take_rows(g, inverse, index), None, None
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
-
-
-def _block_plan(group_sizes: jax.Array, num_rows: int, num_groups: int, block: int):
-    """Where every row goes: the blocks' experts and whether each holds rows, the source row of
-    every block slot (``num_rows``: padding), and the block slot of every row (past the end: none)."""
+def _window_plan(group_sizes: jax.Array, num_rows: int, window: int, num_extra: int):
+    """Where every row goes. Window slots: pass 1's ``G x window``, then pass 2's ``num_extra x
+    window``. Returns the slot of every row (past the end: none), the source row of every pass-1
+    and pass-2 slot (``num_rows``: padding), pass 2's window groups, and whether pass 2 has work."""
+    g = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
-    padded = (gs + block - 1) // block * block
-    padded_end = jnp.cumsum(padded)
-    padded_start, start = padded_end - padded, jnp.cumsum(gs) - gs
-    num_blocks = -(-num_rows // block) + num_groups  # sum(ceil(n_g / block)) <= ceil(M / block) + G
-    first = jnp.arange(num_blocks, dtype=jnp.int32) * block
-    expert = jnp.minimum(jnp.searchsorted(padded_end, first, side="right").astype(jnp.int32), num_groups - 1)
-    used = first < padded_end[-1]
-    within = first[:, None] + jnp.arange(block, dtype=jnp.int32)[None, :] - padded_start[expert][:, None]
-    source = jnp.where(within < gs[expert][:, None], start[expert][:, None] + within, num_rows).reshape(-1)
+    start = jnp.cumsum(gs) - gs
+    extra = jnp.maximum(-(-gs // window) - 1, 0)  # windows of each group past its first
+    extra_end = jnp.cumsum(extra)
+    extra_start = extra_end - extra
+    col = jnp.arange(window, dtype=jnp.int32)
+    source1 = jnp.where(col[None, :] < gs[:, None], start[:, None] + col[None, :], num_rows)
+    t = jnp.arange(num_extra, dtype=jnp.int32)
+    group2 = jnp.minimum(jnp.searchsorted(extra_end, t, side="right").astype(jnp.int32), g - 1)
+    first2 = (t - extra_start[group2] + 1) * window  # position of the window's first row in its group
+    rows2 = jnp.where(t < extra_end[-1], gs[group2] - first2, 0)
+    source2 = jnp.where(col[None, :] < rows2[:, None], start[group2][:, None] + first2[:, None] + col[None, :],
+                        num_rows)
     gid = group_ids(gs, num_rows)
-    safe = jnp.minimum(gid, num_groups - 1)
-    slot = jnp.where(gid < num_groups, padded_start[safe] + jnp.arange(num_rows, dtype=jnp.int32) - start[safe],
-                     num_blocks * block)
-    return num_blocks, expert, used, source, slot
+    safe = jnp.minimum(gid, g - 1)
+    pos = jnp.arange(num_rows, dtype=jnp.int32) - start[safe]
+    slot2 = g * window + (extra_start[safe] + pos // window - 1) * window + pos % window
+    slot = jnp.where(gid == g, (g + num_extra) * window, jnp.where(pos < window, safe * window + pos, slot2))
+    return slot, source1.reshape(-1), source2.reshape(-1), group2, extra_end[-1] > 0
 
 
-def blocked_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, block: int | None = None) -> jax.Array:
-    """``ragged_dot(lhs, rhs, group_sizes)`` as a loop over row blocks (module docstring)."""
-    m, k = lhs.shape
-    g, n = rhs.shape[0], rhs.shape[-1]
-    block = block or default_block(m, g)
-    num_blocks, expert, used, source, slot = _block_plan(group_sizes, m, g, block)
-    x = _take_rows(lhs, source, slot).reshape(num_blocks, block, k)
-    w = rhs.astype(lhs.dtype)
+def windowed_apply(lhs: jax.Array, params: Any, group_sizes: jax.Array, body: Callable[[jax.Array, Any], jax.Array],
+                   window: int | None = None) -> jax.Array:
+    """Row ``i`` of group ``g`` -> row ``i`` of ``body(rows, params of g)``, computed over row windows
+    (module docstring); rows past ``sum(group_sizes)`` give zeros.
 
-    def product(_, xs):
-        rows, e, u = xs
-        return None, lax.cond(u, lambda: rows @ lax.dynamic_index_in_dim(w, e, 0, keepdims=False),
-                              lambda: jnp.zeros((block, n), lhs.dtype))
+    ``params``: a pytree of ``[G, ...]`` arrays, slice ``g`` for group ``g``. ``body(x [c, window, K],
+    p) -> [c, window, N]`` computes ``c`` windows at once with ``p`` the pytree of their groups'
+    slices ``[c, ...]`` (pass 1: ``params`` as they are, window ``j`` of group ``j``); it must treat
+    rows independently (padding rows are dropped). ``window``: pass 1's rows per group (None:
+    :func:`default_window` of ``M`` rows). Differentiable in ``lhs`` and ``params``: the backward
+    reuses pass 1's residuals and recomputes pass 2 (when it ran) rather than storing it."""
+    m, _ = lhs.shape
+    window = min(m, window or default_window(m, group_sizes.shape[0]))
+    num_extra = -(-m // window) - 1  # pass 2's windows: sum_g (ceil(n_g / window) - 1) < M / window
+    # Materialised before the gathers: fused into them, XLA:CPU would redo the index arithmetic per element.
+    plan = lax.optimization_barrier(_window_plan(group_sizes, m, window, num_extra))
+    return _windowed(body, window, num_extra, lhs, params, plan)
 
-    _, y = lax.scan(product, None, (x, expert, used))
-    return _take_rows(y.reshape(num_blocks * block, n), slot, source)
+
+def _slots(plan: tuple, num_groups: int, window: int, num_extra: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's slot among pass 1's windows and among pass 2's (past the end: none)."""
+    slot = plan[0]
+    first = num_groups * window
+    return jnp.where(slot < first, slot, first), jnp.where(slot >= first, slot - first, num_extra * window)
 
 
-def grouped_gemm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``lax.ragged_dot`` on accelerators; :func:`blocked_ragged_dot` when JAX's default backend is the CPU."""
-    if jax.default_backend() == "cpu":
-        return blocked_ragged_dot(lhs, rhs, group_sizes)
-    return lax.ragged_dot(lhs, rhs, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _windowed(body, window, num_extra, lhs, params, plan):
+    return _windowed_fwd(body, window, num_extra, lhs, params, plan)[0]
+
+
+def _windowed_fwd(body, window, num_extra, lhs, params, plan):
+    _, source1, source2, group2, overflow = plan
+    k, g = lhs.shape[1], source1.shape[0] // window
+    slot1, slot2 = _slots(plan, g, window, num_extra)
+    y1, vjp1 = jax.vjp(body, _take_rows(lhs, source1).reshape(g, window, k), params)
+    n = y1.shape[-1]
+    y = _take_rows(y1.reshape(g * window, n), slot1)
+    if num_extra:
+        def pass2(y: jax.Array) -> jax.Array:
+            x2 = _take_rows(lhs, source2).reshape(num_extra, window, k)
+            y2 = body(x2, jax.tree.map(lambda p: p[group2], params))
+            return y + _take_rows(y2.reshape(num_extra * window, n), slot2)
+
+        y = lax.cond(overflow, pass2, lambda y: y, y)
+    return y, (lhs, params, plan, vjp1)
+
+
+def _windowed_bwd(body, window, num_extra, residuals, dy):
+    lhs, params, plan, vjp1 = residuals
+    _, source1, source2, group2, overflow = plan
+    k, g, n = lhs.shape[1], source1.shape[0] // window, dy.shape[-1]
+    slot1, slot2 = _slots(plan, g, window, num_extra)
+    # The row gathers are permutations: their transposes are the inverse gathers.
+    dx1, dparams = vjp1(_take_rows(dy, source1).reshape(g, window, n))
+    dlhs = _take_rows(dx1.reshape(g * window, k), slot1)
+    if num_extra:
+        def pass2(grads: tuple) -> tuple:
+            dlhs, dparams = grads
+            x2 = _take_rows(lhs, source2).reshape(num_extra, window, k)
+            _, vjp2 = jax.vjp(body, x2, jax.tree.map(lambda p: p[group2], params))
+            dx2, dpicked = vjp2(_take_rows(dy, source2).reshape(num_extra, window, n))
+            dparams = jax.tree.map(lambda d, dp: d.at[group2].add(dp), dparams, dpicked)
+            return dlhs + _take_rows(dx2.reshape(num_extra * window, k), slot2), dparams
+
+        dlhs, dparams = lax.cond(overflow, pass2, lambda grads: grads, (dlhs, dparams))
+    return dlhs, dparams, None
+
+
+_windowed.defvjp(_windowed_fwd, _windowed_bwd)
+
+
+def windowed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, window: int | None = None) -> jax.Array:
+    """``lax.ragged_dot(lhs, rhs, group_sizes)`` by :func:`windowed_apply`."""
+    return windowed_apply(lhs, rhs.astype(lhs.dtype), group_sizes,
+                          lambda x, w: jnp.einsum("cwk,ckn->cwn", x, w), window)

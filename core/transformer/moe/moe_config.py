@@ -53,6 +53,11 @@ class MoEConfig:
     moe_router_bias_update_rate: float = 1e-3
     """``--moe-router-bias-update-rate``: step of the expert-bias update
     (:func:`core.transformer.moe.moe_utils.get_updated_expert_bias`)."""
+    moe_router_force_load_balancing: bool = False
+    """``--moe-router-force-load-balancing``: for benchmarking only, as in Megatron: route by random
+    normal logits instead of the gate's, so every expert gets about ``T * k / E`` tokens; the gate
+    still gets its logits' gradient (straight through). The logits are drawn from a fixed seed per
+    rank, the same every step (Megatron draws new ones each step)."""
     moe_token_dispatcher_type: str = "allgather"
     """``--moe-token-dispatcher-type``: ``"alltoall"`` or ``"allgather"`` over the ``ep`` axis."""
     moe_grouped_gemm: bool = False

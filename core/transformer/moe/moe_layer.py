@@ -31,6 +31,7 @@ from core.parallel_state import EP_AXIS, TP_AXIS
 from core.tensor_parallel.layers import build_norm, default_init_method
 from core.tensor_parallel.random import sequence_parallel_dropout
 from core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from core.transformer.moe.grouped_gemm import default_window
 from core.transformer.moe.moe_config import MoEConfig
 from core.transformer.moe.router import TopKRouter
 from core.transformer.moe.shared_experts import SharedExpertMLP
@@ -70,10 +71,15 @@ class MoELayer(nn.Module):
                              init_method=self.init_method, name="router", **dtype)(x)
         dispatcher = build_token_dispatcher(cfg.moe_token_dispatcher_type, cfg.num_experts, ep, EP_AXIS)
         rows, group_sizes, ctx = dispatcher.dispatch(x.reshape(s * b, h), routing)
+        e_local = cfg.num_experts // ep
+        grouped = {}
+        if cfg.moe_grouped_gemm:  # every expert holds ep x capacity rows, or on average T x k / E_local
+            grouped["window"] = (ep * routing.capacity if routing.capacity is not None
+                                 else default_window(s * b * cfg.moe_router_topk, e_local))
         experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
-            cfg.num_experts // ep, self.hidden_size, cfg.moe_ffn_hidden_size, gated_linear_unit=cfg.swiglu,
+            e_local, self.hidden_size, cfg.moe_ffn_hidden_size, gated_linear_unit=cfg.swiglu,
             bias=cfg.add_bias_linear, sequence_parallel=sp, init_method=self.init_method,
-            output_layer_init_method=self.output_layer_init_method, name="experts", **dtype)
+            output_layer_init_method=self.output_layer_init_method, name="experts", **grouped, **dtype)
         y = dispatcher.combine(experts(rows, group_sizes), ctx).reshape(s, b, h)
         if cfg.moe_shared_expert_intermediate_size is not None:
             y = y + SharedExpertMLP(self.hidden_size, cfg.moe_shared_expert_intermediate_size,

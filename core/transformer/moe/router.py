@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.parallel_state import EP_AXIS, TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.layers import default_init_method
 from core.transformer.moe import moe_utils
@@ -102,6 +103,8 @@ class TopKRouter(nn.Module):
         else:
             weight = weight.astype(tokens.dtype)
         logits = tokens @ weight.T  # [T, E]
+        if cfg.moe_router_force_load_balancing:
+            logits = self._random_logits(logits)
 
         bias = None
         if cfg.moe_router_enable_expert_bias:
@@ -125,6 +128,16 @@ class TopKRouter(nn.Module):
             total = s * b * _axes_size(self.sequence_axes + self.batch_axes)
             z = moe_utils.z_loss_func(logits, cfg.moe_z_loss_coeff, total)
         return RouterOutput(probs, indices, keep, slots, capacity, aux, z, local_counts)
+
+    def _random_logits(self, logits: jax.Array) -> jax.Array:
+        """Random normal logits of this rank (a fixed seed folded with its index on the ep, tp and
+        token axes), carrying ``logits``' gradient: Megatron's ``RandomSTE`` for
+        ``--moe-router-force-load-balancing``."""
+        key = jax.random.key(42)
+        for axis in dict.fromkeys((EP_AXIS, TP_AXIS, *self.sequence_axes, *self.batch_axes)):
+            key = jax.random.fold_in(key, lax.axis_index(axis))
+        noise = jax.random.normal(key, logits.shape, jnp.float32).astype(logits.dtype)
+        return noise + (logits - lax.stop_gradient(logits))
 
     def _load_balancing_loss(self, logits: jax.Array, s: int, b: int) -> jax.Array:
         cfg = self.config
