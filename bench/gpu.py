@@ -11,7 +11,8 @@ download; under 8 minutes on one H100/H200).
    (against the datasheet dense bf16 peak), peak memory, compile time (first iteration minus a
    steady one) and the whole process's time.
 5. With ``--moe`` (off by default: about 3 more minutes), the same for a MoE GPT (12 layers,
-   hidden 1024, 8 experts top-2 of FFN 2048, dropless all-to-all, ``ragged_dot`` grouped GEMM)
+   hidden 1024, 8 experts top-2 of FFN 2048, dropless all-to-all, ``ragged_dot`` grouped GEMM,
+   balanced routing by ``--moe-router-force-load-balancing``)
    and the dense GPT of equal active parameters (FFN 4096), and their step-time ratio (the
    MoE issue's target: <= 1.5x).
 
@@ -130,8 +131,9 @@ def gpt_flags(a: argparse.Namespace) -> list[str]:
 
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
-       "--moe-aux-loss-coeff", "0.01"]
-"""Step 5's MoE: 8 experts, top-2, dropless all-to-all, grouped GEMM, Megatron's aux loss."""
+       "--moe-aux-loss-coeff", "0.01", "--moe-router-force-load-balancing"]
+"""Step 5's MoE: 8 experts, top-2, dropless all-to-all, grouped GEMM, Megatron's aux loss; routing
+balanced as in ``bench/moe.py``'s target row (random router logits, Megatron's benchmarking switch)."""
 
 
 def moe_vs_dense_flags(a: argparse.Namespace) -> dict[str, list[str]]:

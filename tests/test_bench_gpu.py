@@ -48,6 +48,7 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
         for args in (dense, moe):
             validate_args(args, 1)
         assert moe.num_experts == 8 and moe.moe_router_topk * moe.moe_ffn_hidden_size == dense.ffn_hidden_size
+        assert moe.moe_router_force_load_balancing  # the CPU benchmark's target row: balanced routing
     row = {"tokens_per_sec": 1000.0, "step_s": 0.5, "tflops_per_device": 100.0, "mfu": 0.4, "memory_gib": 10.0,
            "compile_s": 30.0}
     text = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {**row, "step_s": 0.6}}, flags))
