@@ -3,10 +3,13 @@ parameters at ep = 1, 2, 4, 8; the share of the step in token dispatch and combi
 expert computation as a grouped GEMM (``ragged_dot``) vs a per-expert loop vs a padded batched
 matmul.
 
-    python bench/moe.py            # ~1.5 min on 2 cores (2026-11-27)
+    python bench/moe.py            # ~3 min on 2 cores (2026-11-27)
     python bench/moe.py --quick    # tiny sizes, 2 devices, one round (~35 s of CPU time)
+    mpirun -n 8 python bench/moe.py   # the all-to-all's exchanges between 8 processes (ep 8)
 
-One process, ``--devices`` (8) simulated CPU devices, float32.
+One process, ``--devices`` (8) simulated CPU devices, float32; ``--global-batch`` 64 sequences of 256
+tokens, 2048 per device (at 512 per device each device's parameter work, 2.85x the dense model's
+for the MoE, weighs more: MoE/dense 1.47-1.59 at ep 1 instead of 1.29-1.38, 2026-11-27).
 
 1. **Training step.** ``Pretrainer`` (``launch/pretrain.py``'s training step: GPT model, DDP,
    Adam) at tp = pp = 1 on the 8 devices. The MoE GPT has ``--num-experts`` (8) experts, top-k
@@ -37,11 +40,16 @@ One process, ``--devices`` (8) simulated CPU devices, float32.
    (grads of the rows and both weights) on ``--gemm-rows`` rows grouped by expert (group sizes of
    a uniform random routing) over ``--experts`` experts: ``jax.lax.ragged_dot`` (``GroupedMLP`` on
    accelerators; XLA:CPU lowers it to a masked product over every expert); ``windowed_ragged_dot``
-   (the CPU's windows per GEMM: a batched matmul over a window of 1.25x the mean group per
+   (the CPU's windows per GEMM: a batched matmul over a window a little above the mean group per
    expert, a second one for rows past it); a
    loop over experts, each over all rows, keeping its group's (``SequentialMLP``); and the
    padded batched matmul ``[E, rows / E, h] x [E, h, F]`` (every expert exactly ``rows / E`` rows:
    capacity factor 1 with perfect balance, the active FLOPs; the floor of the others).
+
+Under ``mpirun -n N`` (one device per process, ep = N): part 2's dispatch + combine piece with the
+dropless all-to-all's default two exchanges (1.25x the mean rows per peer, the rest only when a
+rank overflows) against one exchange of the worst-case buffer, so the rows really cross processes;
+rank 0 writes ``bench/results/moe_processes_<platform>.md``.
 
 Simulated devices share the host's cores, so a step time is the sum of every device's work as
 it serialises on them, not a cluster's speed. Prints the tables and writes
@@ -64,6 +72,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from timing import BenchRun, round_robin_medians  # noqa: E402
 
+DEFAULT_OUT = ROOT / "bench" / "results" / "moe_cpu.md"
+"""The one-process report (under mpirun: ``moe_processes_<platform>.md``)."""
 TARGET_STEP_RATIO = 1.5
 """MoE step time over the dense model of equal active parameters at ep = 1 (issue 32)."""
 TARGET_DISPATCH_SHARE = 0.25
@@ -261,6 +271,65 @@ def dispatch_rows(a: argparse.Namespace, eps: Sequence[int], steps: list[dict[st
     return rows
 
 
+# -- between processes: the all-to-all's two exchanges ------------------------------------------
+@contextlib.contextmanager
+def one_worst_case_exchange() -> Iterator[None]:
+    """The dropless all-to-all traced inside this context sends every peer its worst-case buffer in
+    one exchange (the dispatcher otherwise sends 1.25x the mean rows first and the rest only on
+    overflow, see ``core/transformer/moe/token_dispatcher.py``)."""
+    from core.transformer.moe import token_dispatcher
+
+    saved, token_dispatcher.exchange_width = token_dispatcher.exchange_width, lambda rows, ep, width: width
+    try:
+        yield
+    finally:
+        token_dispatcher.exchange_width = saved
+
+
+def exchange_rows(a: argparse.Namespace, ep: int) -> list[dict[str, Any]]:
+    """Dispatch + combine forward + backward (part 2's piece) at ``ep``, the default two exchanges
+    against one worst-case exchange, round-robin medians."""
+    programs = {"two exchanges (default)": layer_pieces(a, ep)["dispatch_combine"]}
+    programs["two exchanges (default)"]()
+    with one_worst_case_exchange():
+        programs["one worst-case exchange"] = layer_pieces(a, ep)["dispatch_combine"]
+        programs["one worst-case exchange"]()  # traced here
+    times = [t for (t,) in round_robin_medians(list(programs.values()), reps=a.reps, warmup=2)]
+    return [{"exchange": name, "time_s": t, "over_default": t / times[0]} for name, t in zip(programs, times)]
+
+
+def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Under ``mpirun -n N``: the all-to-all's exchanges between N processes (ep = N, one device
+    each, so the rows cross processes); rank 0 prints the table and writes the report."""
+    a = _args(argv)
+    import jax
+
+    ep = jax.process_count()
+    if jax.device_count() != ep or a.experts % ep:
+        raise SystemExit(f"needs one device per process and --experts divisible by {ep}: got "
+                         f"{jax.device_count()} devices in {ep} processes, --experts {a.experts}")
+    a.devices, a.global_batch = ep, ep * max(1, a.global_batch // a.devices)  # part 1's tokens per rank
+    run = BenchRun()
+    rows = exchange_rows(a, ep)
+    if jax.process_index() == 0:
+        platform = jax.devices()[0].platform
+        tokens = a.global_batch // ep * a.seq
+        workload = (f"dispatch + combine forward + backward, {tokens} tokens per rank, hidden {a.hidden}, "
+                    f"{a.experts} experts, top-{a.topk}, balanced routing, ep {ep}: {ep} processes, one "
+                    f"{platform} device each")
+        lines = ["| all-to-all | ms | / default |", "|---|---|---|"]
+        lines += [f"| {r['exchange']} | {r['time_s'] * 1e3:.1f} | {r['over_default']:.2f} |" for r in rows]
+        text = "\n".join(lines)
+        print(f"{workload}\n\n(rank 0, median of {a.reps} round-robin rounds; {run.lap()})\n\n{text}", flush=True)
+        out = Path(a.out if a.out != str(DEFAULT_OUT) else ROOT / "bench" / "results" / f"moe_processes_{platform}.md")
+        header = run.header(f"mpirun -n {ep} python bench/moe.py{' --quick' if a.quick else ''}", a.machine, a.note)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## The dropless all-to-all's exchanges between "
+                       f"processes (rank 0, median of {a.reps} round-robin rounds)\n\n{text}\n")
+        print(f"\n{run.elapsed():.0f} s; wrote {out}")
+    return rows
+
+
 # -- 3. expert computation ---------------------------------------------------------------------
 def expert_mlps(experts: int) -> dict[str, Callable[..., Any]]:
     """The expert MLP ``(rows [M, h], w1 [E, h, F], w2 [E, F, h], group_sizes [E]) -> [M, h]`` by
@@ -354,7 +423,8 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--global-batch", type=int, default=16, help="sequences per step (a multiple of --devices)")
+    p.add_argument("--global-batch", type=int, default=64,
+                   help="sequences per step (a multiple of --devices; 64: 2048 tokens per device)")
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--ffn", type=int, default=512, help="expert FFN width (the dense FFN: topk x this)")
@@ -364,7 +434,7 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gemm-ffn", type=int, default=512, help="part 3: expert FFN width")
     p.add_argument("--reps", type=int, default=5, help="round-robin rounds (median)")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "moe_cpu.md"))
+    p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--machine", default="2-core AVX2 VM (AMD EPYC), simulated CPU devices",
                    help="the machine, for the report")
     p.add_argument("--note", default="", help="a note for the report (e.g. other jobs on the cores)")
@@ -439,6 +509,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    from core.parallel_state import mpi_world_size_from_env
+
+    if mpi_world_size_from_env() > 1:
+        from core.cluster import initialize_distributed
+        from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+
+        # As the launch path: on the CPU, each process's thread pool sized to its share of the cores.
+        configure_cpu_threads(share_pool=True)
+        initialize_distributed()
+        import jax
+
+        jax.devices()  # the backend starts and sizes its pool
+        release_cpu_affinity()
+        processes_main()
+        sys.exit(0)
     from core.cpu_devices import configure_cpu_devices
     from core.cpu_malloc import reexec_with_malloc_settings
 

@@ -52,3 +52,24 @@ def test_quick_run_figures_and_report(tmp_path):
     for heading in ("## 1. Training step", "## 2. Dispatch + combine", "## 3. Expert computation"):
         assert heading in text
     assert "| moe, windowed grouped GEMM | balanced |" in text and "| ragged_dot |" in text
+
+
+def test_exchanges_between_processes_under_mpirun(tmp_path):
+    """``mpirun -n 2 python bench/moe.py --quick``: dispatch + combine between real processes
+    (ep 2, one device each) with the default two exchanges and one worst-case exchange, the table
+    on rank 0 only and in the report."""
+    import subprocess
+    import sys
+
+    from spawn_env import spawn_env
+
+    out = tmp_path / "processes.md"
+    cmd = ["mpirun", "--oversubscribe", "-n", "2", sys.executable, str(ROOT / "bench" / "moe.py"), "--quick",
+           "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=spawn_env(), cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ep 2: 2 processes, one cpu device each" in result.stdout
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [name.strip() for name, _, _ in rows] == ["two exchanges (default)", "one worst-case exchange"]
+    assert all(_positive(float(ms)) and _positive(float(ratio)) for _, ms, ratio in rows)
+    assert result.stdout.count("| all-to-all | ms |") == 1  # rank 0 only

@@ -441,6 +441,39 @@ def test_expert_parallel_equals_one_device(ep):
     _check_against_reference("softmax_swiglu_shared", *_run("softmax_swiglu_shared", ep=ep))
 
 
+@pytest.mark.parametrize("ep,first", [(2, 1), (8, 1), (4, 3)])
+def test_alltoall_sends_overflowing_rows_in_a_second_exchange(monkeypatch, ep, first):
+    """The dropless all-to-all first exchanges ``exchange_width`` rows per peer and the rest only
+    when a rank of the group has more for some peer. The tests' few tokens fit one exchange by
+    default; with a first exchange of 1 or 3 rows the second one runs and the layer (outputs, all
+    grads, aux losses) still equals the reference."""
+    from core.transformer.moe import token_dispatcher
+
+    monkeypatch.setattr(token_dispatcher, "exchange_width", lambda rows, ep, width: min(first, width))
+    name = "softmax_swiglu_shared"
+    fn, specs, state = _layer_fn.__wrapped__(name, ep, 1, 8)  # traced afresh with the patched width
+    params = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(state.mesh, s)), _initial(name), specs)
+    x, w = _inputs()
+    _check_against_reference(name, fn(params, x, w, jnp.ones(state.world_size, jnp.float32)), specs, state)
+
+
+def test_default_window_is_the_mean_plus_the_smaller_margin():
+    from core.transformer.moe.grouped_gemm import default_window
+
+    assert default_window(1024, 8) == 160  # mean 128: + 25% (4 sigma would be + 45)
+    assert default_window(4096, 8) == 608  # mean 512: + 4 sigma (90.5), not + 128
+    assert default_window(16384, 8) == 2232
+    assert default_window(8, 8) == 8  # a multiple of 8, at least 8
+
+
+def test_exchange_width_is_the_mean_with_a_margin_within_the_worst_case():
+    from core.transformer.moe.token_dispatcher import exchange_width
+
+    assert exchange_width(1024, 8, 512) == 160  # 1.25 x 128 rows per peer
+    assert exchange_width(1024, 2, 1024) == 640
+    assert exchange_width(8, 2, 8) == 8  # rounded up to 8, never above the worst case
+
+
 def test_allgather_dispatcher_equals_alltoall_at_ep4():
     got = _run("softmax_swiglu_shared", ep=4, overrides=(("moe_token_dispatcher_type", "allgather"),))
     _check_against_reference("softmax_swiglu_shared", *got)

@@ -37,8 +37,11 @@ import jax.numpy as jnp
 from jax import lax
 
 WINDOW_MARGIN = 1.25
-"""Pass 1's window over the mean group size: routing at initialisation and under a load-balancing
-loss stays within it (a longer group costs pass 2, about as much again)."""
+"""Pass 1's window over the mean group size, at most (a longer group costs pass 2, about as much
+again)."""
+WINDOW_SIGMAS = 4.0
+"""...and at most the mean plus this many standard deviations of a balanced routing's group size
+(``sqrt(mean)``): 4 sigma overflow one group in ~30000, so large groups get a tighter margin."""
 WINDOW_MULTIPLE = 8
 """Windows are whole multiples of this many rows."""
 
@@ -50,9 +53,11 @@ def group_ids(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
 
 def default_window(expected_rows: int, num_groups: int) -> int:
-    """Pass 1's rows per group: ``WINDOW_MARGIN`` times the mean group size of ``expected_rows``
-    real rows, rounded up to a multiple of ``WINDOW_MULTIPLE``."""
-    window = math.ceil(WINDOW_MARGIN * expected_rows / max(1, num_groups))
+    """Pass 1's rows per group for a mean group of ``expected_rows / num_groups``: ``WINDOW_MARGIN``
+    times it or ``WINDOW_SIGMAS`` standard deviations above it, the smaller, rounded up to a
+    multiple of ``WINDOW_MULTIPLE`` (a mean of 128 rows -> 160, 512 -> 608, 2048 -> 2232)."""
+    mean = expected_rows / max(1, num_groups)
+    window = math.ceil(min(WINDOW_MARGIN * mean, mean + WINDOW_SIGMAS * math.sqrt(mean)))
     return max(WINDOW_MULTIPLE, -(-window // WINDOW_MULTIPLE) * WINDOW_MULTIPLE)
 
 

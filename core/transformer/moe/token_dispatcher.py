@@ -12,12 +12,15 @@ per-expert counts and the rows with ``lax.all_to_all`` over ``ep``, re-sort the 
 local expert; the reverse all-to-all and unpermute restore token order. The number of rows a rank
 sends to another varies from step to step; ``lax.ragged_all_to_all`` would move exactly those, but
 XLA:CPU cannot compile it (JAX 0.10.2: "HLO opcode ragged-all-to-all is not supported"), so the
-dropless exchange uses a static worst-case buffer per destination: ``T * min(k, E_local)`` rows (a
-token sends at most one row to each of its ``k`` experts, and at most ``E_local`` of those live on
-one rank), with the true counts exchanged alongside. Memory: send and receive buffers of
-``ep * T * min(k, E_local) * h`` elements each instead of ``T * k * h``, i.e.
-``ep * min(k, E_local) / k`` times the permuted activations (8x at ep=8, top-2 of 8 experts), and the
-experts' grouped GEMM runs over the padded rows too. With a capacity factor the buffer is exact:
+dropless exchange has static shapes: ``T * min(k, E_local)`` slots per peer at worst (a token sends
+at most one row to each of its ``k`` experts, and at most ``E_local`` of those live on one rank),
+with the true counts exchanged alongside. The first ``all_to_all`` sends only
+:func:`exchange_width` slots per peer (1.25x the mean ``T * k / ep``); the rest go in a second
+one, run (``lax.cond``) only when some rank of the ep group has more rows for a peer. Rows on the
+wire at ep 8, top-2 of 8 experts: 1.25x the real ones instead of 4x. The received buffer
+(``ep * T * min(k, E_local) * h`` elements, ``ep * min(k, E_local) / k`` times the permuted
+activations, the second exchange's part zeros when it did not run) is what the experts get, their
+padding rows skipped by the CPU's windows. With a capacity factor the buffer is exact:
 ``capacity`` slots per expert and source rank (``E * capacity`` rows per rank).
 
 ``allgather`` (:class:`MoEAllGatherTokenDispatcher`, Megatron's): all-gather the tokens and routing
@@ -30,6 +33,7 @@ Dropless only (Megatron's capacity factor needs the all-to-all dispatcher).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +63,18 @@ def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
     return jnp.cumsum(x, axis=axis) - x
 
 
+EXCHANGE_MARGIN = 1.25
+"""The dropless all-to-all's first exchange over the mean rows per peer (a rank with more rows
+for some peer makes its group exchange the rest too)."""
+
+
+def exchange_width(rows: int, ep: int, width: int) -> int:
+    """Rows per peer of the dropless all-to-all's first exchange: ``EXCHANGE_MARGIN`` times the mean
+    ``rows / ep``, a multiple of 8, at most the worst case ``width``."""
+    mean = math.ceil(EXCHANGE_MARGIN * rows / ep)
+    return min(width, -(-mean // 8) * 8)
+
+
 class _TokenDispatcher:
     """What both dispatchers hold: the expert split over the ``ep`` axis."""
 
@@ -85,21 +101,42 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
             return x[order // k], counts, ctx  # [T * k, h], grouped by expert
         ep, e_local = self.ep, self.num_local_experts
         width = t * min(k, e_local)  # worst-case rows to one destination
+        first = exchange_width(t * k, ep, width)  # the first exchange's rows per destination
         dest_counts = counts.reshape(ep, e_local).sum(axis=1)
         dest_start = _exclusive_cumsum(dest_counts)
-        slot = jnp.arange(width, dtype=jnp.int32)
-        source = dest_start[:, None] + slot[None, :]  # [ep, width] index into rows
-        filled = slot[None, :] < dest_counts[:, None]
-        token = (order // k)[jnp.minimum(source, t * k - 1)]  # gathered from x directly: no [T * k, h] copy
-        send = jnp.where(filled[..., None], x[token], 0)
-        recv = lax.all_to_all(send.reshape(ep * width, -1), self.ep_axis, 0, 0, tiled=True)
+        overflow = lax.pmax(jnp.max(dest_counts) > first, self.ep_axis)  # the same on every rank of the group
+
+        def send(lo: int, hi: int) -> jax.Array:  # slots [lo, hi) of every destination, [ep * (hi - lo), h]
+            slot = jnp.arange(lo, hi, dtype=jnp.int32)
+            source = dest_start[:, None] + slot[None, :]  # [ep, hi - lo] index into the sorted rows
+            filled = slot[None, :] < dest_counts[:, None]
+            token = (order // k)[jnp.minimum(source, t * k - 1)]  # gathered from x directly: no [T * k, h] copy
+            return jnp.where(filled[..., None], x[token], 0).reshape(ep * (hi - lo), -1)
+
+        recv = self._exchange(send, first, width, overflow)
         recv_counts = lax.all_to_all(counts.reshape(ep, e_local), self.ep_axis, 0, 0, tiled=True)  # [src, E_local]
         # Local expert of every received slot (E_local for padding), then group rows by it.
         ends = jnp.cumsum(recv_counts, axis=1)
+        slot = jnp.arange(width, dtype=jnp.int32)
         local_expert = (slot[None, :, None] >= ends[:, None, :]).sum(axis=-1).reshape(-1)
         recv_order, recv_inverse, group_sizes = sort_by_expert(local_expert, e_local)
-        ctx.update(recv_inverse=recv_inverse, width=width, experts_sorted=experts[order], dest_start=dest_start)
+        ctx.update(recv_inverse=recv_inverse, width=width, first=first, overflow=overflow,
+                   experts_sorted=experts[order], dest_start=dest_start)
         return recv[recv_order], group_sizes, ctx
+
+    def _exchange(self, send: Callable[[int, int], jax.Array], first: int, width: int,
+                  overflow: jax.Array) -> jax.Array:
+        """All-to-all of ``width`` slots per peer, ``[ep * width, h]`` received (peer-major): slots
+        ``[0, first)`` always, the rest only when a rank of the group has more rows for a peer
+        (``overflow``); otherwise they are padding and stay zeros."""
+        ep = self.ep
+        a2a = lambda rows: lax.all_to_all(rows, self.ep_axis, 0, 0, tiled=True)
+        recv = a2a(send(0, first)).reshape(ep, first, -1)
+        if first < width:
+            rest = lax.cond(overflow, lambda: a2a(send(first, width)),
+                            lambda: jnp.zeros((ep * (width - first), recv.shape[-1]), recv.dtype))
+            recv = jnp.concatenate([recv, rest.reshape(ep, width - first, -1)], axis=1)
+        return recv.reshape(ep * width, -1)
 
     def combine(self, out: jax.Array, ctx: Context) -> jax.Array:
         """``[T, h]``: every token's prob-weighted sum of its experts' outputs ``out [M, h]``."""
@@ -107,7 +144,9 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
             return self._combine_capacity(out, ctx)
         if self.ep > 1:
             ep, width = self.ep, ctx["width"]
-            back = lax.all_to_all(out[ctx["recv_inverse"]], self.ep_axis, 0, 0, tiled=True)  # [ep * width, h]
+            slots = out[ctx["recv_inverse"]].reshape(ep, width, -1)  # in received-slot order
+            back = self._exchange(lambda lo, hi: slots[:, lo:hi].reshape(ep * (hi - lo), -1), ctx["first"], width,
+                                  ctx["overflow"])  # [ep * width, h]
             dest = ctx["experts_sorted"] // self.num_local_experts
             position = jnp.arange(dest.shape[0], dtype=jnp.int32) - ctx["dest_start"][dest]
             out = back.reshape(ep, width, -1)[dest, position]  # [T * k, h] in sorted order
