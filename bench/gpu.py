@@ -21,6 +21,10 @@ download; under 8 minutes on one H100/H200).
    of an async save (the checkpoint issue's target: <= 10% of a step for the default model; on
    2 CPU cores the writer's work lands on the steps, on a GPU host it has the cores to itself).
 
+``--no-gpt`` skips steps 3 and 4, so one lease can split the run into two calls:
+``python bench/gpu.py`` then ``python bench/gpu.py --no-tests --no-gpt --moe --checkpoint``
+(written to ``gpu_<device>_moe_checkpoint.md``).
+
 Writes ``bench/results/gpu_<device>.md`` and prints it. ``--smoke`` runs the same steps with
 tiny shapes (it runs on the CPU too: the test suite checks the script that way). Each step runs
 in its own process, so each gets the whole GPU (JAX reserves 75% of its memory at start).
@@ -48,6 +52,8 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes: check the script (CPU or GPU)")
     p.add_argument("--no-tests", action="store_true", help="skip the GPU test set")
+    p.add_argument("--no-gpt", action="store_true", help="skip the attention timing and the ~1.2B GPT (steps 3 "
+                   "and 4): with --moe and/or --checkpoint, a second call of a lease")
     p.add_argument("--iters", type=int, default=30, help="GPT training iterations")
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--global-batch-size", type=int, default=8)
@@ -228,14 +234,17 @@ def checkpoint_report(rows: list[dict] | dict) -> list[str]:
                     f"Async-save stall, default model: **{stall:.0%}** of a step ({verdict})", ""]
 
 
-def report(info: dict, tests: dict | None, attention: dict, attention_shape, gpt: dict, flags: list[str]) -> str:
-    """The markdown the run writes."""
+def report(info: dict, tests: dict | None, attention: dict | None, attention_shape, gpt: dict | None,
+           flags: list[str]) -> str:
+    """The markdown the run writes (``attention`` and ``gpt`` None: skipped by ``--no-gpt``)."""
     lines = [f"# GPU benchmark: {info['device']}", "",
              f"{time.strftime('%Y-%m-%d')}; {info['count']} x {info['device']}; JAX {info['jax']}, jaxlib "
              f"{info['jaxlib']}, Python {info['python']}; `python bench/gpu.py`.", ""]
     if tests is not None:
         lines += [f"GPU test set: {tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped "
                   f"({tests['seconds']:.0f} s).", ""]
+    if attention is None or gpt is None:
+        return "\n".join(lines)
     b, s, n, d = attention_shape
     package, cudnn, xla = (attention.get(k) for k in ("package", "cudnn", "xla"))
     ms = lambda x: "n/a" if x is None else f"{x:.2f}"
@@ -306,12 +315,13 @@ def main() -> None:
     tests = None if a.no_tests else run_gpu_tests()
     if tests:
         print(f"> GPU tests: {tests}", flush=True)
-    shape = _attention_shape(a.smoke)
-    attention = _child("attention", a)
-    print(f"> attention ms: {attention}", flush=True)
-    flags = gpt_flags(a)
-    gpt = train_gpt(flags)
-    print(f"> GPT: {gpt}", flush=True)
+    shape, flags = _attention_shape(a.smoke), gpt_flags(a)
+    attention = gpt = None
+    if not a.no_gpt:
+        attention = _child("attention", a)
+        print(f"> attention ms: {attention}", flush=True)
+        gpt = train_gpt(flags)
+        print(f"> GPT: {gpt}", flush=True)
     text = report(info, tests, attention, shape, gpt, flags)
     if a.moe:
         moe_flags = moe_vs_dense_flags(a)
@@ -323,7 +333,8 @@ def main() -> None:
         print(f"> checkpoints: {rows}", flush=True)
         text += "\n" + "\n".join(checkpoint_report(rows))
     name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}.md"
+    suffix = "_" + "_".join(n for n, on in (("moe", a.moe), ("checkpoint", a.checkpoint)) if on) if a.no_gpt else ""
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}{suffix}.md"  # --no-gpt: no overwrite
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"\n{text}\nwritten to {out}")

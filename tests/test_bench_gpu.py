@@ -33,6 +33,19 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     assert "GPT training failed" not in text
 
 
+def test_no_gpt_skips_attention_and_the_gpt_and_keeps_the_first_calls_report(tmp_path):
+    # A lease's second call: steps 3 and 4 skipped (here with nothing else to run: the device query only).
+    out = tmp_path / "second.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--no-tests", "--no-gpt",
+                             "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = out.read_text()
+    assert text.startswith("# GPU benchmark: ") and "causal_attention" not in text and "GPT pretraining" not in text
+    assert "> attention ms" not in result.stdout and "> GPT:" not in result.stdout
+
+
 def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
     # --moe's two launches (the GPT launch itself is the smoke run's): flags the launcher accepts
     # (equal active parameters: 2 experts of half the dense FFN), and the report's ratio.
