@@ -603,16 +603,9 @@ if __name__ == "__main__":
     from core.parallel_state import mpi_world_size_from_env
 
     if mpi_world_size_from_env() > 1:
-        from core.cluster import initialize_distributed
-        from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+        from mpi_launch import start_worker_process
 
-        # As the launch path: on the CPU, each process's thread pool sized to its share of the cores.
-        configure_cpu_threads(share_pool=True)
-        initialize_distributed()
-        import jax
-
-        jax.devices()  # the backend starts and sizes its pool
-        release_cpu_affinity()
+        start_worker_process()
         processes_main()
         sys.exit(0)
     from core.cpu_devices import configure_cpu_devices

@@ -62,10 +62,11 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -116,17 +117,12 @@ def _one_step(t: Any) -> Any:
     return t.dispatch_step()["loss"]
 
 
-@contextlib.contextmanager
-def ragged_dot_experts() -> Iterator[None]:
+def ragged_dot_experts() -> contextlib.AbstractContextManager:
     """``GroupedMLP`` traced inside this context uses ``jax.lax.ragged_dot`` on every backend (on
     the CPU it otherwise uses windows, see ``core/transformer/moe/grouped_gemm.py``)."""
     from core.transformer.moe import experts
 
-    saved, experts.default_grouped_implementation = experts.default_grouped_implementation, lambda: "ragged_dot"
-    try:
-        yield
-    finally:
-        experts.default_grouped_implementation = saved
+    return mock.patch.object(experts, "default_grouped_implementation", lambda: "ragged_dot")
 
 
 BALANCED = ["--moe-router-force-load-balancing"]
@@ -272,18 +268,13 @@ def dispatch_rows(a: argparse.Namespace, eps: Sequence[int], steps: list[dict[st
 
 
 # -- between processes: the all-to-all's two exchanges ------------------------------------------
-@contextlib.contextmanager
-def one_worst_case_exchange() -> Iterator[None]:
+def one_worst_case_exchange() -> contextlib.AbstractContextManager:
     """The dropless all-to-all traced inside this context sends every peer its worst-case buffer in
     one exchange (the dispatcher otherwise sends 1.25x the mean rows first and the rest only on
     overflow, see ``core/transformer/moe/token_dispatcher.py``)."""
     from core.transformer.moe import token_dispatcher
 
-    saved, token_dispatcher.exchange_width = token_dispatcher.exchange_width, lambda rows, ep, width: width
-    try:
-        yield
-    finally:
-        token_dispatcher.exchange_width = saved
+    return mock.patch.object(token_dispatcher, "exchange_width", lambda rows, ep, width: width)
 
 
 def exchange_rows(a: argparse.Namespace, ep: int) -> list[dict[str, Any]]:
@@ -512,16 +503,9 @@ if __name__ == "__main__":
     from core.parallel_state import mpi_world_size_from_env
 
     if mpi_world_size_from_env() > 1:
-        from core.cluster import initialize_distributed
-        from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+        from mpi_launch import start_worker_process
 
-        # As the launch path: on the CPU, each process's thread pool sized to its share of the cores.
-        configure_cpu_threads(share_pool=True)
-        initialize_distributed()
-        import jax
-
-        jax.devices()  # the backend starts and sizes its pool
-        release_cpu_affinity()
+        start_worker_process()
         processes_main()
         sys.exit(0)
     from core.cpu_devices import configure_cpu_devices

@@ -35,3 +35,18 @@ def launch(script: str, world: int, worker_args: list[str], timeout: int) -> lis
     if proc.returncode:
         sys.exit(f"worker failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return [json.loads(line[len(ROW):]) for line in proc.stdout.splitlines() if line.startswith(ROW)]
+
+
+def start_worker_process() -> None:
+    """Start this ``mpirun`` rank as the launch path does: on the CPU each process's thread pool
+    sized to its share of the cores, ``jax.distributed`` up, the backend started (it sizes its
+    pool then), the CPU affinity released."""
+    from core.cluster import initialize_distributed
+    from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+
+    configure_cpu_threads(share_pool=True)
+    initialize_distributed()
+    import jax
+
+    jax.devices()
+    release_cpu_affinity()
