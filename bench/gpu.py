@@ -62,6 +62,14 @@ def _args() -> argparse.Namespace:
                    "parameters (step 5)")
     p.add_argument("--checkpoint", action="store_true", help="also measure checkpoints and the async-save stall "
                    "on one GPU (step 6)")
+    p.add_argument("--profile", action="store_true", help="trace two steps of the GPT (launch/pretrain.py "
+                   "--profile) and tabulate device time per op category and the top ops")
+    p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
+                   "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
+    p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
+                   "telling first; 7 in all)")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
+                   "lease's command limit): the report keeps what ran; each step's report is written as it ends")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
     p.add_argument("--part", choices=["info", "attention", "checkpoint"], default=None,
                    help=argparse.SUPPRESS)  # a child step
@@ -74,12 +82,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_gpu_tests() -> dict:
+def run_gpu_tests(timeout: float = 600) -> dict:
     """The GPU test set in a subprocess: passed/failed/skipped counts and seconds."""
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-m", "gpu",
-                          str(ROOT / "tests" / "test_gpu.py")], capture_output=True, text=True, cwd=ROOT, env=_env(),
-                         timeout=600)
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-m", "gpu",
+                              str(ROOT / "tests" / "test_gpu.py")], capture_output=True, text=True, cwd=ROOT,
+                             env=_env(), timeout=max(1, timeout))
+    except subprocess.TimeoutExpired as err:
+        out = subprocess.CompletedProcess(err.cmd, 1, (err.stdout or b"").decode(errors="replace")
+                                          if isinstance(err.stdout, bytes) else (err.stdout or ""), "timed out")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.stdout)}
     if out.returncode not in (0, 5):
         print(out.stdout[-4000:], out.stderr[-2000:], sep="\n")
@@ -155,18 +167,25 @@ def moe_vs_dense_flags(a: argparse.Namespace) -> dict[str, list[str]]:
             "moe": [*common, *MOE, "--moe-ffn-hidden-size", str(ffn // 2)]}
 
 
-def train_gpt(flags: list[str]) -> dict:
-    """Run launch/pretrain.py with ``flags`` (one process, every local GPU); summarise its metrics file."""
+def train_gpt(flags: list[str], timeout: float = 900, xla_flags: str = "") -> dict:
+    """Run launch/pretrain.py with ``flags`` (one process, every local GPU; ``xla_flags`` added to
+    ``XLA_FLAGS``); summarise its metrics file."""
+    env = _env()
+    env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"), xla_flags]))
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         cmd = [sys.executable, str(ROOT / "launch" / "pretrain.py"), *flags, "--metrics-file", str(metrics),
                "--compilation-cache-dir", str(Path(tmp) / "xla-cache")]  # a cold compile, measured
         start = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=max(1, timeout))
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "process_s": time.perf_counter() - start}
         wall = time.perf_counter() - start
         if out.returncode:
             print(out.stdout[-3000:], out.stderr[-3000:], sep="\n")
-            return {"error": f"exit {out.returncode}", "process_s": wall}
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"error": f"exit {out.returncode}: {last[:200]}", "process_s": wall}
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     header = next((line for line in out.stdout.splitlines() if "parameters" in line), "")
     steady = records[min(5, len(records) - 1):]  # after compile and the first steps
@@ -178,6 +197,91 @@ def train_gpt(flags: list[str]) -> dict:
             "memory_gib": max(r["memory_per_device_bytes"] for r in records) / 2**30,
             "compile_s": records[0]["step_time_s"] - step, "first_loss": records[0]["loss"],
             "last_loss": records[-1]["loss"], "process_s": wall}
+
+
+PROFILE_STEPS = 2
+"""Steps ``--profile`` traces (ending 8 iterations before the last, in the steady state)."""
+
+
+def profile_flags(a: argparse.Namespace, directory: str) -> list[str]:
+    """launch/pretrain.py's flags that trace ``PROFILE_STEPS`` steady steps into ``directory``."""
+    end = max(PROFILE_STEPS + 1, a.iters - 8)
+    return ["--profile", "--profile-step-start", str(end - PROFILE_STEPS), "--profile-step-end", str(end),
+            "--profile-dir", directory]
+
+
+def hlo_dump_flags(directory: str) -> str:
+    """XLA flags that dump the optimized HLO of the train step (``jit_body``, the shard-mapped step)
+    under ``directory``: the trace's op names are its instructions, whose metadata names the source."""
+    return f"--xla_dump_to={directory}/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_body"
+
+
+def _keep_hlo(directory: str, out: Path) -> None:
+    """The largest optimized HLO dumped under ``directory`` (the train step), gzipped to ``<out>.hlo.txt.gz``."""
+    import gzip
+
+    dumps = sorted(Path(directory).glob("hlo/*after_optimizations.txt"), key=lambda f: f.stat().st_size)
+    if dumps:
+        Path(str(out) + ".hlo.txt.gz").write_bytes(gzip.compress(dumps[-1].read_bytes()))
+
+
+def profile_report(directory: str, out: Path) -> list[str]:
+    """The trace's summary tables (``core.training.profile_summary``); the trace file, its raw
+    plane listing and the step's optimized HLO are kept next to ``out`` (``<out>.xplane.pb`` when
+    under 15 MB, ``<out>.trace.txt``, ``<out>.hlo.txt.gz``)."""
+    from core.training.profile_summary import _trace_file, describe_planes, markdown, summarize
+
+    try:
+        _keep_hlo(directory, out)
+    except OSError as err:
+        print(f"  HLO dump not kept: {err}")
+    lines = [f"Profile of {PROFILE_STEPS} steady GPT steps (`launch/pretrain.py --profile`; "
+             "`python -m core.training.profile_summary DIR`), device time per step:", ""]
+    try:
+        trace = _trace_file(directory)
+        if os.path.getsize(trace) < 15 * 2**20:
+            Path(str(out) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
+        Path(str(out) + ".trace.txt").write_text(describe_planes(trace, top=8))
+        return lines + [markdown(summarize(trace, steps=PROFILE_STEPS, top=12)), ""]
+    except Exception as err:  # a trace layout the summary misreads: the raw listing is kept
+        return lines + [f"summary failed: {type(err).__name__}: {str(err)[:300]}", ""]
+
+
+def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, flags)``."""
+    shape = SMOKE_SHAPE if a.smoke else gpt_flags(a)[:8]
+    mbs = (2, 1, 4) if a.smoke else (4, 2, 8)  # default, half, double
+    gbs = "4" if a.smoke else str(a.global_batch_size)
+    training = _training(argparse.Namespace(iters=SWEEP_ITERS))
+    run = lambda mb, *extra: [*shape, "--micro-batch-size", str(mb), "--global-batch-size", gbs, *training, *extra]
+    m, half, double = mbs
+    return [(f"scanned, mb {m}", run(m, "--scan-layers")),
+            (f"scanned, mb {m}, selective recompute", run(m, "--scan-layers", "--recompute-granularity", "selective")),
+            (f"scanned, mb {m}, full recompute", run(m, "--scan-layers", "--recompute-granularity", "full")),
+            (f"scanned, mb {double}", run(double, "--scan-layers")),
+            (f"scanned, mb {half}", run(half, "--scan-layers")),
+            (f"unrolled, mb {m}, selective recompute", run(m, "--recompute-granularity", "selective")),
+            (f"scanned, mb {double}, selective recompute",
+             run(double, "--scan-layers", "--recompute-granularity", "selective"))]
+
+
+SWEEP_ITERS = 12
+"""Iterations per sweep launch (the median of the steps after the fifth)."""
+
+
+def sweep_report(runs: list[tuple[str, dict]], baseline: dict | None) -> list[str]:
+    """The sweep's table (``baseline``: the unrolled GPT run above, its first row)."""
+    lines = ["One-GPU tuning sweep (global batch as above; `--scan-layers` rolls the layer loop, "
+             "`--recompute-granularity`; 12 iterations each):", "",
+             "| setting | tokens/s | step s | MFU | peak memory GiB | compile s |", "|---|---|---|---|---|---|"]
+    rows = ([("unrolled, mb default (the run above)", baseline)] if baseline and "error" not in baseline else []) + runs
+    for name, run in rows:
+        if "error" in run:
+            lines.append(f"| {name} | failed: {run['error']} | | | | |")
+        else:
+            lines.append(f"| {name} | {run['tokens_per_sec']:.0f} | {run['step_s']:.3f} | {100 * run['mfu']:.1f}% "
+                         f"| {run['memory_gib']:.1f} | {run['compile_s']:.1f} |")
+    return lines + [""]
 
 
 def moe_report(runs: dict[str, dict], flags: dict[str, list[str]]) -> list[str]:
@@ -307,38 +411,64 @@ def main() -> None:
     if a.part == "checkpoint":
         print(json.dumps(checkpoint_rows(a.smoke)))
         return
+    started = time.perf_counter()
+    left = lambda: float("inf") if a.deadline_s is None else a.deadline_s - (time.perf_counter() - started)
     info = _child("info", a)
     if "error" in info:
         raise SystemExit(f"the device query failed: {info['error']}")
     print(f"> {info['count']} x {info['device']} ({info['platform']}); JAX {info['jax']}, jaxlib {info['jaxlib']}",
           flush=True)
-    tests = None if a.no_tests else run_gpu_tests()
-    if tests:
-        print(f"> GPU tests: {tests}", flush=True)
-    shape, flags = _attention_shape(a.smoke), gpt_flags(a)
-    attention = gpt = None
-    if not a.no_gpt:
-        attention = _child("attention", a)
-        print(f"> attention ms: {attention}", flush=True)
-        gpt = train_gpt(flags)
-        print(f"> GPT: {gpt}", flush=True)
-    text = report(info, tests, attention, shape, gpt, flags)
-    if a.moe:
-        moe_flags = moe_vs_dense_flags(a)
-        runs = {name: train_gpt(f) for name, f in moe_flags.items()}
-        print(f"> MoE vs dense: {runs}", flush=True)
-        text += "\n" + "\n".join(moe_report(runs, moe_flags))
-    if a.checkpoint:
-        rows = _child("checkpoint", a)
-        print(f"> checkpoints: {rows}", flush=True)
-        text += "\n" + "\n".join(checkpoint_report(rows))
     name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
     suffix = "_" + "_".join(n for n, on in (("moe", a.moe), ("checkpoint", a.checkpoint)) if on) if a.no_gpt else ""
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}{suffix}.md"  # --no-gpt: no overwrite
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"\n{text}\nwritten to {out}")
+    shape, flags = _attention_shape(a.smoke), gpt_flags(a)
+    attention = gpt = tests = None
+    extra: list[str] = []  # the sections after the GPT's, in order
+    write = lambda: out.write_text(report(info, tests, attention, shape, gpt, flags) + "\n" + "\n".join(extra))
 
+    def skipped(step: str, needs: float) -> bool:
+        if left() >= needs:
+            return False
+        extra.extend([f"{step}: skipped ({left():.0f} s left of --deadline-s {a.deadline_s:g}).", ""])
+        print(f"> {step}: skipped, {left():.0f} s left", flush=True)
+        return True
+
+    if not a.no_gpt:
+        attention = _child("attention", a)
+        print(f"> attention ms: {attention}", flush=True)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            gpt = train_gpt(flags + (profile_flags(a, trace_dir) if a.profile else []), timeout=min(900, left()),
+                            xla_flags=hlo_dump_flags(trace_dir) if a.profile else "")
+            print(f"> GPT: {gpt}", flush=True)
+            if a.profile and "error" not in gpt:
+                extra.extend(profile_report(trace_dir, out))
+        write()
+    if a.sweep:
+        runs = []
+        for setting, sweep_flags in sweep_settings(a)[:a.sweep_settings]:
+            if skipped(f"sweep setting '{setting}'", 75):
+                break
+            runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()))))
+            print(f"> sweep {setting}: {runs[-1]}", flush=True)
+        extra.extend(sweep_report(runs, gpt))
+        write()
+    if not a.no_tests and not skipped("GPU test set", 60):
+        tests = run_gpu_tests(timeout=min(600, left()))
+        print(f"> GPU tests: {tests}", flush=True)
+        write()
+    if a.moe and not skipped("MoE vs dense", 150):
+        moe_flags = moe_vs_dense_flags(a)
+        runs = {name: train_gpt(f, timeout=min(900, left())) for name, f in moe_flags.items()}
+        print(f"> MoE vs dense: {runs}", flush=True)
+        extra.extend(moe_report(runs, moe_flags))
+        write()
+    if a.checkpoint and not skipped("checkpoints", 120):
+        rows = _child("checkpoint", a)
+        print(f"> checkpoints: {rows}", flush=True)
+        extra.extend(checkpoint_report(rows))
+    write()
+    print(f"\n{out.read_text()}\nwritten to {out}")
 
 if __name__ == "__main__":
     main()

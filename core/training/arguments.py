@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02, help="std of the normal weight init")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary to a multiple of this x tensor-model-parallel-size")
-    g.add_argument("--recompute-activations", action="store_true", help="recompute each layer in the backward")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute in the backward: full (each whole layer) or selective (keep the linear layers' "
+                        "outputs, rerun core attention and the elementwise ops)")
     g.add_argument("--scan-layers", action="store_true",
                    help="run each pipeline chunk's layers as a rolled lax.scan: compile time independent of depth "
                         "(default: unrolled, faster steps)")
@@ -180,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--no-progress-bar", action="store_true")
     g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations (testing)")
+    g.add_argument("--profile", action="store_true",
+                   help="jax.profiler trace of iterations (--profile-step-start, --profile-step-end]")
+    g.add_argument("--profile-step-start", type=int, default=10, help="iterations run before the trace starts")
+    g.add_argument("--profile-step-end", type=int, default=12, help="the iteration after which the trace stops")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks that write a trace")
+    g.add_argument("--profile-dir", default="profile", help="where the traces go (one subfolder per trace)")
     g = p.add_argument_group("compilation")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
@@ -264,6 +274,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(str(e).replace("_", "-")) from None
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
+    if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
+                            f"--profile-step-end {args.profile_step_end}")
     if args.save_interval is not None and args.save_interval < 1:
         raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
@@ -552,6 +565,11 @@ def layout_fits(args: argparse.Namespace, world_size: int) -> bool:
     return True
 
 
+def recompute_granularity(args: argparse.Namespace) -> str | None:
+    """``--recompute-granularity``, or ``"selective"`` for ``--recompute-activations`` (as Megatron)."""
+    return args.recompute_granularity or ("selective" if args.recompute_activations else None)
+
+
 def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
     """The :class:`GPTConfig` the flags describe."""
     from core.models.gpt import GPTConfig
@@ -569,7 +587,7 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
         hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type, recompute_granularity="full" if args.recompute_activations else None,
+        cp_comm_type=args.cp_comm_type, recompute_granularity=recompute_granularity(args),
         bf16=args.bf16,
         unroll_layers=not args.scan_layers, moe=moe_config(args),
         moe_layer_freq=1 if args.moe_layer_freq is None else args.moe_layer_freq)

@@ -62,6 +62,7 @@ from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
 from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, to_layer_order
+from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
 # The checkpoint's optimizer state is the layout-independent form (parameter-shaped Adam moments
@@ -605,26 +606,37 @@ class Pretrainer:
             self.finish_saving()
 
     def _train_loop(self) -> list[dict[str, Any]]:
-        args, log = self.args, self.logger
+        args = self.args
         records, pending = [], []
         stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+        profiler = StepProfiler(args, jax.process_index())
         start = time.perf_counter()
-        while self.iteration < stop:
-            pending.append(self.dispatch_step())
-            if log:
-                log.advance()
-            if len(pending) >= 2:  # at most two steps in flight: the device stays busy with the newest
-                jax.block_until_ready(pending[-2]["loss"])
-            if not self._must_collect(stop):
-                continue
-            done = self.collect(pending, time.perf_counter() - start)
-            pending = []
-            for record in done:
-                self._add_throughput(record)
-            records += done
-            self._after_collect(done[-1], stop)
-            start = time.perf_counter()  # evaluation and checkpoint time is not step time
+        try:
+            while self.iteration < stop:
+                profiler.before_step(self.iteration, [r["loss"] for r in pending])
+                pending.append(self.dispatch_step())
+                profiler.after_step(self.iteration, pending[-1]["loss"])
+                pending, start = self._after_dispatch(records, pending, stop, start)
+        finally:
+            profiler.close()
         return records
+
+    def _after_dispatch(self, records: list, pending: list, stop: int, start: float) -> tuple[list, float]:
+        """Bound the steps in flight; at a collect point read them back, log, evaluate and save.
+        Returns the steps still pending and the start time of the current timing window."""
+        log = self.logger
+        if log:
+            log.advance()
+        if len(pending) >= 2:  # at most two steps in flight: the device stays busy with the newest
+            jax.block_until_ready(pending[-2]["loss"])
+        if not self._must_collect(stop):
+            return pending, start
+        done = self.collect(pending, time.perf_counter() - start)
+        for record in done:
+            self._add_throughput(record)
+        records += done
+        self._after_collect(done[-1], stop)
+        return [], time.perf_counter()  # evaluation and checkpoint time is not step time
 
     def _after_collect(self, record: dict[str, Any], stop: int) -> None:
         """Evaluate, log and save at an iteration whose values were just read back."""

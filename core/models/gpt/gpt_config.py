@@ -59,7 +59,10 @@ class GPTConfig:
     cp_comm_type: str = "p2p"
     """How context-parallel attention exchanges K/V: ``"p2p"`` (ring) or ``"all_gather"``."""
     recompute_granularity: str | None = None
-    """``"full"``: recompute each layer's activations in the backward (``jax.checkpoint``)."""
+    """Activation recompute in the backward (Megatron's ``--recompute-granularity``): ``"full"``
+    reruns each whole layer (``jax.checkpoint``); ``"selective"`` keeps the linear layers' outputs
+    and reruns the rest (core attention, norms, activations, dropout), much of the memory saving
+    of full for a fraction of its extra FLOPs; None keeps everything."""
     unroll_layers: bool = True
     """Unroll the loop over a chunk's layers: faster steps (a rolled ``lax.scan`` stacks every
     layer's residuals, 20% of a CPU step here), compile time linear in the layer count."""
@@ -212,8 +215,8 @@ class GPTConfig:
             (not self.sequence_parallel or self.seq_length % (self.context_parallel_size * tp) == 0,
              f"seq_length {self.seq_length} is not divisible by context_parallel_size {self.context_parallel_size} x "
              f"tensor_model_parallel_size {tp} = {self.context_parallel_size * tp} (needed by --sequence-parallel)"),
-            (self.recompute_granularity in (None, "full"),
-             f"recompute_granularity must be None or 'full', got {self.recompute_granularity!r}"),
+            (self.recompute_granularity in (None, "full", "selective"),
+             f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
         ]
         for ok, message in checks:
             if not ok:

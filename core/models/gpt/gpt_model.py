@@ -54,6 +54,7 @@ from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
 from core.transformer.moe import MOE_STATE, get_updated_expert_bias
+from core.transformer.recompute import with_recompute
 
 
 class GPTModel:
@@ -175,8 +176,7 @@ class GPTModel:
             return self.run_layers_moe(chunk_layers, x, microbatch, first_layer, chunk_bias)[0]
         ctx = self.context(microbatch)
         body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
-        if self.config.recompute_granularity == "full":
-            body = jax.checkpoint(body)
+        body = with_recompute(body, self.config.recompute_granularity)
         index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
         return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0]
 
@@ -202,8 +202,7 @@ class GPTModel:
                 bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
                 variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
             fn = lambda p, h, c, layer=layer, v=variables: layer.apply({"params": p, **v}, h, c)
-            if self.config.recompute_granularity == "full":
-                fn = jax.checkpoint(fn)
+            fn = with_recompute(fn, self.config.recompute_granularity)
             out = fn(p, x, ctx.replace(layer_index=first_layer + j))
             if is_moe:
                 x, aux = out

@@ -1,0 +1,43 @@
+"""Megatron's ``--profile``: a ``jax.profiler`` trace of iterations ``(start, end]`` on the ranks
+of ``--profile-ranks``, written under ``--profile-dir`` (TensorBoard / XProf / Perfetto read it;
+``python -m core.training.profile_summary DIR`` tabulates it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+
+
+class StepProfiler:
+    """Starts the trace before iteration ``start + 1`` and stops it once iteration ``end`` has run
+    (Megatron: ``--profile-step-start 10 --profile-step-end 12`` traces two steps)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int):
+        self.enabled = bool(getattr(args, "profile", False)) and rank in args.profile_ranks
+        self.start, self.end = getattr(args, "profile_step_start", 0), getattr(args, "profile_step_end", 0)
+        self.directory = getattr(args, "profile_dir", None) or "profile"
+        self.active = False
+
+    def before_step(self, iteration: int, in_flight: list) -> None:
+        """Call before dispatching iteration ``iteration + 1`` (``in_flight``: arrays of steps
+        still running, waited for so that the trace holds only the traced steps)."""
+        if self.enabled and not self.active and iteration == self.start:
+            jax.block_until_ready(in_flight)
+            os.makedirs(self.directory, exist_ok=True)
+            jax.profiler.start_trace(self.directory)
+            self.active = True
+
+    def after_step(self, iteration: int, result) -> None:
+        """Call after dispatching iteration ``iteration`` (``result``: its outputs)."""
+        if self.active and iteration >= self.end:
+            jax.block_until_ready(result)
+            jax.profiler.stop_trace()
+            self.active = False
+
+    def close(self) -> None:
+        """Stop a trace still running (training ended inside the window)."""
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
