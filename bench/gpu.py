@@ -67,11 +67,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
                    "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
-                   "telling first; 7 in all)")
+                   "telling first; 8 in all)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
                    "lease's command limit): the report keeps what ran; each step's report is written as it ends")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
-    p.add_argument("--part", choices=["info", "attention", "checkpoint"], default=None,
+    p.add_argument("--part", choices=["info", "attention", "embedding", "checkpoint"], default=None,
                    help=argparse.SUPPRESS)  # a child step
     return p.parse_args()
 
@@ -127,6 +127,33 @@ def time_attention(shape: tuple[int, int, int, int], reps: int) -> dict[str, flo
             print(f"  attention {name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
             times[name] = None
     return times
+
+
+def time_embedding_backward(tokens: int, hidden: int, vocabs: tuple[int, ...], reps: int) -> dict[str, float]:
+    """Median ms of an embedding lookup's forward + backward (``tokens`` byte-distributed ids into
+    ``[V, hidden]``), per vocabulary size: the lookup in bf16 (a bf16 scatter-add backward), in
+    fp32 then cast (an fp32 scatter-add: the model's path), and as a one-hot matmul."""
+    import jax
+    import jax.numpy as jnp
+    from timing import median_seconds
+
+    out = {}
+    for vocab in vocabs:
+        key_w, key_i, key_c = jax.random.split(jax.random.key(vocab), 3)
+        weight = jax.random.normal(key_w, (vocab, hidden), jnp.float32)
+        # Zipf-like ids: a few tokens take most positions, as in text (collisions in the scatter)
+        ids = jnp.minimum(jax.random.pareto(key_i, 1.0, (tokens,)).astype(jnp.int32), vocab - 1)
+        cot = jax.random.normal(key_c, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+        variants = {
+            "bf16_scatter": lambda w, i, v: w.astype(jnp.bfloat16)[i],
+            "fp32_scatter": lambda w, i, v: w[i].astype(jnp.bfloat16),
+            "one_hot_matmul": lambda w, i, v: jax.nn.one_hot(i, v, dtype=jnp.bfloat16) @ w.astype(jnp.bfloat16),
+        }
+        for name, lookup in variants.items():
+            loss = lambda w, i, c, f=lookup, v=vocab: jnp.sum((f(w, i, v) * c).astype(jnp.float32))
+            grad = jax.jit(jax.grad(loss))
+            out[f"V={vocab} {name}"] = 1e3 * median_seconds(grad, weight, ids, cot, reps=reps, warmup=2)
+    return out
 
 
 SMOKE_SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
@@ -247,22 +274,31 @@ def profile_report(directory: str, out: Path) -> list[str]:
         return lines + [f"summary failed: {type(err).__name__}: {str(err)[:300]}", ""]
 
 
+def embedding_report(times: dict) -> list[str]:
+    """The embedding backward timing's lines (``times``: the child's dict, or ``{"error": ...}``)."""
+    lines = ["Embedding lookup, forward + backward, 8192 tokens (Zipf-distributed ids), hidden 2048 (median ms):", ""]
+    if "error" in times:
+        return lines + [f"failed: {times['error']}", ""]
+    rows = [f"| {k} | {v:.3f} |" for k, v in times.items()]
+    return lines + ["| vocabulary, variant | ms |", "|---|---|", *rows, ""]
+
+
 def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, flags)``."""
     shape = SMOKE_SHAPE if a.smoke else gpt_flags(a)[:8]
-    mbs = (2, 1, 4) if a.smoke else (4, 2, 8)  # default, half, double
+    m, half, double = (2, 1, 4) if a.smoke else (a.micro_batch_size, a.micro_batch_size // 2, a.micro_batch_size * 2)
     gbs = "4" if a.smoke else str(a.global_batch_size)
     training = _training(argparse.Namespace(iters=SWEEP_ITERS))
-    run = lambda mb, *extra: [*shape, "--micro-batch-size", str(mb), "--global-batch-size", gbs, *training, *extra]
-    m, half, double = mbs
-    return [(f"scanned, mb {m}", run(m, "--scan-layers")),
-            (f"scanned, mb {m}, selective recompute", run(m, "--scan-layers", "--recompute-granularity", "selective")),
-            (f"scanned, mb {m}, full recompute", run(m, "--scan-layers", "--recompute-granularity", "full")),
-            (f"scanned, mb {double}", run(double, "--scan-layers")),
-            (f"scanned, mb {half}", run(half, "--scan-layers")),
-            (f"unrolled, mb {m}, selective recompute", run(m, "--recompute-granularity", "selective")),
-            (f"scanned, mb {double}, selective recompute",
-             run(double, "--scan-layers", "--recompute-granularity", "selective"))]
+    settings = [("scanned", m, None), ("scanned", m, "selective"), ("scanned", m, "full"), ("scanned", half, None),
+                ("unrolled", m, "selective"), ("scanned", double, "selective"), ("unrolled", half, None),
+                ("unrolled", double, "full")]
+    out = []
+    for layers, mb, recompute in settings:
+        flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", gbs, *training]
+        flags += ["--scan-layers"] if layers == "scanned" else []
+        flags += ["--recompute-granularity", recompute] if recompute else []
+        out.append((f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else ""), flags))
+    return out
 
 
 SWEEP_ITERS = 12
@@ -379,14 +415,14 @@ def device_info() -> dict:
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]}
 
 
-def _child(part: str, a: argparse.Namespace) -> dict | list:
+def _child(part: str, a: argparse.Namespace, timeout: float = 900) -> dict | list:
     """Run ``--part part`` of this script in a fresh process; its last output line is JSON. A
     failed step gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns)."""
     cmd = [sys.executable, __file__, "--part", part] + (["--smoke"] if a.smoke else [])
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=900)
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
     except subprocess.TimeoutExpired:
-        return {"error": "timed out after 900 s"}
+        return {"error": f"timed out after {timeout:.0f} s"}
     print(out.stdout[:-1] if out.returncode == 0 else out.stdout + out.stderr[-3000:], flush=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -410,6 +446,10 @@ def main() -> None:
         return
     if a.part == "checkpoint":
         print(json.dumps(checkpoint_rows(a.smoke)))
+        return
+    if a.part == "embedding":
+        shape = (64, 32, (256, 1024)) if a.smoke else (8192, 2048, (256, 32768, 50304))
+        print(json.dumps(time_embedding_backward(*shape, reps=3 if a.smoke else 20)))
         return
     started = time.perf_counter()
     left = lambda: float("inf") if a.deadline_s is None else a.deadline_s - (time.perf_counter() - started)
@@ -437,6 +477,9 @@ def main() -> None:
     if not a.no_gpt:
         attention = _child("attention", a)
         print(f"> attention ms: {attention}", flush=True)
+        embedding = _child("embedding", a)
+        print(f"> embedding forward + backward ms: {embedding}", flush=True)
+        extra.extend(embedding_report(embedding))
         with tempfile.TemporaryDirectory() as trace_dir:
             gpt = train_gpt(flags + (profile_flags(a, trace_dir) if a.profile else []), timeout=min(900, left()),
                             xla_flags=hlo_dump_flags(trace_dir) if a.profile else "")
@@ -457,16 +500,17 @@ def main() -> None:
         tests = run_gpu_tests(timeout=min(600, left()))
         print(f"> GPU tests: {tests}", flush=True)
         write()
+    if a.checkpoint and not skipped("checkpoints", 120):
+        rows = _child("checkpoint", a, timeout=min(900, left()))
+        print(f"> checkpoints: {rows}", flush=True)
+        extra.extend(checkpoint_report(rows))
+        write()
     if a.moe and not skipped("MoE vs dense", 150):
         moe_flags = moe_vs_dense_flags(a)
         runs = {name: train_gpt(f, timeout=min(900, left())) for name, f in moe_flags.items()}
         print(f"> MoE vs dense: {runs}", flush=True)
         extra.extend(moe_report(runs, moe_flags))
         write()
-    if a.checkpoint and not skipped("checkpoints", 120):
-        rows = _child("checkpoint", a)
-        print(f"> checkpoints: {rows}", flush=True)
-        extra.extend(checkpoint_report(rows))
     write()
     print(f"\n{out.read_text()}\nwritten to {out}")
 
