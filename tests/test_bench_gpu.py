@@ -24,25 +24,34 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     out = tmp_path / "gpu.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--iters", "3", "--out",
-                             str(out)], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--iters", "12", "--profile",
+                             "--sweep", "--sweep-settings", "1", "--out", str(out)], capture_output=True, text=True,
+                            timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = out.read_text()
     assert "GPU test set: 0 passed, 0 failed" in text  # collected and skipped off the GPU
     assert "| package `causal_attention` |" in text and "GPT pretraining" in text
-    assert "GPT training failed" not in text
+    assert "GPT training failed" not in text and "failed" not in text.split("GPT pretraining")[1]
+    assert "| V=256 fp32_scatter |" in text and "| V=1024 one_hot_matmul |" in text
+    assert "Profile of 2 steady GPT steps" in text and "| matmul |" in text and "summary failed" not in text
+    assert "| unrolled, mb default (the run above) |" in text and "| scanned, mb 2 |" in text
+    for kept in (".xplane.pb", ".trace.txt", ".hlo.txt.gz"):  # the trace, its raw listing, the step's HLO
+        assert (tmp_path / f"gpu.md{kept}").stat().st_size > 0
 
 
-def test_no_gpt_skips_attention_and_the_gpt_and_keeps_the_first_calls_report(tmp_path):
-    # A lease's second call: steps 3 and 4 skipped (here with nothing else to run: the device query only).
+def test_no_gpt_skips_attention_and_the_gpt_and_the_deadline_skips_the_rest(tmp_path):
+    # A lease's second call: steps 3 and 4 skipped; past --deadline-s every later step says it was skipped.
     out = tmp_path / "second.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("JAX_NUM_CPU_DEVICES", None)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--no-tests", "--no-gpt",
-                             "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--no-gpt", "--sweep",
+                             "--checkpoint", "--deadline-s", "0", "--out", str(out)], capture_output=True, text=True,
+                            timeout=300, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = out.read_text()
     assert text.startswith("# GPU benchmark: ") and "causal_attention" not in text and "GPT pretraining" not in text
+    for step in ("sweep setting 'scanned, mb 2'", "GPU test set", "checkpoints"):
+        assert f"{step}: skipped" in text
     assert "> attention ms" not in result.stdout and "> GPT:" not in result.stdout
 
 
