@@ -1,33 +1,36 @@
 """GPU benchmark, one command: ``PYTHONPATH=. python bench/gpu.py`` on a GPU host (nothing to
-download; under 8 minutes on one H100/H200).
+download; about 5 minutes on one H100, 2 of them the GPU test set).
 
-1. Prints the device, JAX and jaxlib versions.
-2. Runs the GPU test set (``pytest -m gpu tests/test_gpu.py``).
-3. Times causal attention forward + backward in bf16 on ``[b=8, s=2048, heads=16, d=128]``: the
-   package's ``causal_attention`` (the function the model calls) against a direct
-   ``jax.nn.dot_product_attention(..., implementation="cudnn")`` call, and XLA's implementation.
-4. Trains a ~1.2B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, ``--bf16``) with
-   ``launch/pretrain.py`` for 30 iterations and reports tokens/s, model TFLOP/s and MFU per GPU
-   (against the datasheet dense bf16 peak), peak memory, compile time (first iteration minus a
-   steady one) and the whole process's time.
-5. With ``--moe`` (off by default: about 3 more minutes), the same for a MoE GPT (12 layers,
-   hidden 1024, 8 experts top-2 of FFN 2048, dropless all-to-all, ``ragged_dot`` grouped GEMM,
-   balanced routing by ``--moe-router-force-load-balancing``)
-   and the dense GPT of equal active parameters (FFN 4096), and their step-time ratio (the
-   MoE issue's target: <= 1.5x).
+Steps, in order (each in its own process, so each gets the whole GPU; JAX reserves 75% of its
+memory at start):
 
-6. With ``--checkpoint`` (off by default: about 2 more minutes), ``bench/checkpoint.py --gpu
-   --devices 1``: checkpoint save and load time and size by model size, and the step-time stall
-   of an async save (the checkpoint issue's target: <= 10% of a step for the default model; on
-   2 CPU cores the writer's work lands on the steps, on a GPU host it has the cores to itself).
+1. The device, JAX and jaxlib versions.
+2. Causal attention forward + backward in bf16 on ``[b=8, s=2048, heads=16, d=128]``: the
+   package's ``causal_attention`` against a direct ``jax.nn.dot_product_attention(...,
+   implementation="cudnn")`` call and XLA's implementation; an embedding lookup's forward +
+   backward as a bf16 scatter, an fp32 scatter (the model's) and a one-hot matmul.
+3. A ~1.2B-parameter GPT (24 layers, hidden 2048, 16 heads, seq 2048, ``--bf16``) trained with
+   ``launch/pretrain.py`` for 30 iterations: tokens/s, model TFLOP/s and MFU per GPU (against
+   the datasheet dense bf16 peak), peak memory, compile time (first iteration minus a steady
+   one), the process's time. ``--profile`` traces two steady steps and tabulates them
+   (``core.training.profile_summary``), keeping the trace, its raw listing and the step's
+   optimized HLO next to the report.
+4. ``--sweep``: the one-GPU tuning sweep (micro-batch size, ``--recompute-granularity``,
+   ``--scan-layers``), one launch per setting, most telling first (``--sweep-settings``).
+5. The GPU test set (``pytest -m gpu tests/test_gpu.py``; ``--no-tests`` skips it).
+6. ``--checkpoint``: ``bench/checkpoint.py --gpu --devices 1``: checkpoint save and load time
+   and size by model size, and the step-time stall of an async save (the checkpoint issue's
+   target: <= 10% of a step for the default model).
+7. ``--moe``: a MoE GPT (12 layers, hidden 1024, 8 experts top-2 of FFN 2048, dropless
+   all-to-all, ``ragged_dot`` grouped GEMM, balanced routing by
+   ``--moe-router-force-load-balancing``) and the dense GPT of equal active parameters (FFN
+   4096), and their step-time ratio (the MoE issue's target: <= 1.5x).
 
-``--no-gpt`` skips steps 3 and 4, so one lease can split the run into two calls:
-``python bench/gpu.py`` then ``python bench/gpu.py --no-tests --no-gpt --moe --checkpoint``
-(written to ``gpu_<device>_moe_checkpoint.md``).
-
-Writes ``bench/results/gpu_<device>.md`` and prints it. ``--smoke`` runs the same steps with
-tiny shapes (it runs on the CPU too: the test suite checks the script that way). Each step runs
-in its own process, so each gets the whole GPU (JAX reserves 75% of its memory at start).
+``--no-gpt`` skips steps 2 and 3 (a lease's second call; written to
+``gpu_<device>_moe_checkpoint.md``). ``--deadline-s`` starts no step after that many seconds
+(a lease's command limit): the report says what was skipped, and is rewritten as each step
+ends. Writes ``bench/results/gpu_<device>.md`` (``--out``) and prints it. ``--smoke`` runs the
+same steps with tiny shapes (it runs on the CPU too: the test suite checks the script that way).
 """
 
 from __future__ import annotations
