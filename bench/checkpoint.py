@@ -136,12 +136,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "--devices devices), not on --devices simulated CPU devices")
     p.add_argument("--steps", type=int, default=5, help="steps timed after each async save")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--model-flags", default=None, help="measure this one model instead (launch/pretrain.py flags, "
+                   "e.g. bench/gpu.py's GPT)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     a = p.parse_args(argv)
     if not a.gpu:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(a.devices))
     models, reps, steps = (QUICK_MODELS, 1, 2) if a.quick else (MODELS, a.reps, a.steps)
+    if a.model_flags is not None:
+        models = [a.model_flags.split()]
     rows = []
     for flags in models:
         with tempfile.TemporaryDirectory() as workdir:
@@ -149,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = table(rows)
     print(text)
-    if not a.quick:
+    if not a.quick and a.model_flags is None:
         Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 

@@ -18,10 +18,12 @@ memory at start):
 4. ``--sweep``: the one-GPU tuning sweep (micro-batch size, ``--recompute-granularity``,
    ``--scan-layers``), one launch per setting, most telling first (``--sweep-settings``).
 5. The GPU test set (``pytest -m gpu tests/test_gpu.py``; ``--no-tests`` skips it).
-6. ``--checkpoint``: ``bench/checkpoint.py --gpu --devices 1``: checkpoint save and load time
+6. ``--ddp-overhead``: ``bench/ddp_overhead.py --gpt-1b --bf16``: the package's step against a
+   plain jitted step of the same GPT at dp = 1 (the GPU issue's goal: within 3%).
+7. ``--checkpoint``: ``bench/checkpoint.py --gpu --devices 1``: checkpoint save and load time
    and size by model size, and the step-time stall of an async save (the checkpoint issue's
    target: <= 10% of a step for the default model).
-7. ``--moe``: a MoE GPT (12 layers, hidden 1024, 8 experts top-2 of FFN 2048, dropless
+8. ``--moe``: a MoE GPT (12 layers, hidden 1024, 8 experts top-2 of FFN 2048, dropless
    all-to-all, ``ragged_dot`` grouped GEMM, balanced routing by
    ``--moe-router-force-load-balancing``) and the dense GPT of equal active parameters (FFN
    4096), and their step-time ratio (the MoE issue's target: <= 1.5x).
@@ -63,6 +65,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--gpt-flags", default="", help="extra launch/pretrain.py flags (e.g. --scan-layers)")
     p.add_argument("--moe", action="store_true", help="also time a MoE GPT against the dense one of equal active "
                    "parameters (step 5)")
+    p.add_argument("--ddp-overhead", action="store_true", help="also time the package's step against a plain "
+                   "jitted step of the GPT at dp = 1 (bench/ddp_overhead.py; the GPU issue's goal: <= 3%%)")
+    p.add_argument("--checkpoint-gpt", action="store_true", help="also the checkpoint benchmark and async-save "
+                   "stall of the ~1.2B GPT (one round, 20 steps after the save)")
     p.add_argument("--checkpoint", action="store_true", help="also measure checkpoints and the async-save stall "
                    "on one GPU (step 6)")
     p.add_argument("--profile", action="store_true", help="trace two steps of the GPT (launch/pretrain.py "
@@ -70,11 +76,12 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
                    "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
-                   "telling first; 8 in all)")
+                   "telling first; 11 in all)")
+    p.add_argument("--sweep-skip", type=int, default=0, help="skip the sweep's first settings (measured before)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
                    "lease's command limit): the report keeps what ran; each step's report is written as it ends")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
-    p.add_argument("--part", choices=["info", "attention", "embedding", "checkpoint"], default=None,
+    p.add_argument("--part", choices=["info", "attention", "embedding", "checkpoint", "checkpoint-gpt"], default=None,
                    help=argparse.SUPPRESS)  # a child step
     return p.parse_args()
 
@@ -292,15 +299,18 @@ def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
     m, half, double = (2, 1, 4) if a.smoke else (a.micro_batch_size, a.micro_batch_size // 2, a.micro_batch_size * 2)
     gbs = "4" if a.smoke else str(a.global_batch_size)
     training = _training(argparse.Namespace(iters=SWEEP_ITERS))
-    settings = [("scanned", m, None), ("scanned", m, "selective"), ("scanned", m, "full"), ("scanned", half, None),
-                ("unrolled", m, "selective"), ("scanned", double, "selective"), ("unrolled", half, None),
-                ("unrolled", double, "full")]
+    gb = int(gbs)
+    settings = [("scanned", m, None, gb), ("scanned", m, "selective", gb), ("scanned", m, "full", gb),
+                ("scanned", half, None, gb), ("unrolled", m, "selective", gb), ("scanned", double, "selective", gb),
+                ("unrolled", half, None, gb), ("unrolled", double, "full", gb), ("unrolled", double, "selective", gb),
+                ("unrolled", m, None, 4 * gb), ("unrolled", m, "full", gb)]
     out = []
-    for layers, mb, recompute in settings:
-        flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", gbs, *training]
+    for layers, mb, recompute, batch in settings:
+        flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", str(batch), *training]
         flags += ["--scan-layers"] if layers == "scanned" else []
         flags += ["--recompute-granularity", recompute] if recompute else []
-        out.append((f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else ""), flags))
+        name = f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else "")
+        out.append((name + (f", global batch {batch}" if batch != gb else ""), flags))
     return out
 
 
@@ -310,7 +320,7 @@ SWEEP_ITERS = 12
 
 def sweep_report(runs: list[tuple[str, dict]], baseline: dict | None) -> list[str]:
     """The sweep's table (``baseline``: the unrolled GPT run above, its first row)."""
-    lines = ["One-GPU tuning sweep (global batch as above; `--scan-layers` rolls the layer loop, "
+    lines = ["One-GPU tuning sweep (global batch as above unless named; `--scan-layers` rolls the layer loop, "
              "`--recompute-granularity`; 12 iterations each):", "",
              "| setting | tokens/s | step s | MFU | peak memory GiB | compile s |", "|---|---|---|---|---|---|"]
     rows = ([("unrolled, mb default (the run above)", baseline)] if baseline and "error" not in baseline else []) + runs
@@ -342,6 +352,33 @@ def moe_report(runs: dict[str, dict], flags: dict[str, list[str]]) -> list[str]:
     return lines + [""]
 
 
+def ddp_overhead(a: argparse.Namespace, timeout: float) -> dict:
+    """``bench/ddp_overhead.py`` in a subprocess (the GPT in bf16; smoke: its small GPT, one round)."""
+    cmd = [sys.executable, str(ROOT / "bench" / "ddp_overhead.py"), "--bf16"]
+    cmd += ["--steps", "1", "--rounds", "1"] if a.smoke else ["--gpt-1b"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        print(out.stdout[-2000:], out.stderr[-3000:], sep="\n")
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"exit {out.returncode}: {last[:300]}"}
+
+
+def ddp_overhead_report(record: dict) -> list[str]:
+    """The DDP-overhead lines (``record``: bench/ddp_overhead.py's JSON, or ``{"error": ...}``)."""
+    lines = ["DDP path at dp = 1 against a plain jitted step of the same GPT, one microbatch "
+             "(`bench/ddp_overhead.py`; goal: <= 1.03x):", ""]
+    if "error" in record:
+        return lines + [f"failed: {record['error']}", ""]
+    return lines + ["| model | package ms | plain jit ms | package / plain |", "|---|---|---|---|",
+                    f"| {record['model']} | {record['package_ms']:.2f} | {record['plain_ms']:.2f} | "
+                    f"**{record['ratio']:.3f}** |", ""]
+
+
 STALL_TARGET = 0.10
 """The checkpoint issue's target: an async save stalls the steps by at most this share of a step."""
 
@@ -356,16 +393,19 @@ def _bench_checkpoint():
     return module
 
 
-def checkpoint_rows(smoke: bool) -> list[dict]:
-    """Step 6 (run in a child process): ``bench/checkpoint.py --gpu --devices 1``'s rows."""
+def checkpoint_rows(smoke: bool, gpt: list[str] | None = None) -> list[dict]:
+    """The checkpoint step (run in a child process): ``bench/checkpoint.py --gpu --devices 1``'s
+    rows; with ``gpt`` (model flags) that model's row alone, one round of 20 steps."""
     with tempfile.TemporaryDirectory() as tmp:
-        return _bench_checkpoint().main(["--gpu", "--devices", "1", "--out", os.path.join(tmp, "checkpoint.md")]
-                           + (["--quick"] if smoke else []))
+        argv = ["--gpu", "--devices", "1", "--out", os.path.join(tmp, "checkpoint.md")]
+        if gpt is not None:
+            argv += ["--reps", "1", "--steps", "3" if smoke else "20", "--model-flags", " ".join(gpt)]
+        return _bench_checkpoint().main(argv + (["--quick"] if smoke and gpt is None else []))
 
 
-def checkpoint_report(rows: list[dict] | dict) -> list[str]:
-    """Step 6's lines: the table and the default model's stall against the target (``rows``: the
-    child's rows, or ``{"error": ...}``)."""
+def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> list[str]:
+    """The checkpoint step's lines: the table and the first row's stall against the target
+    (``rows``: the child's rows, or ``{"error": ...}``; ``label`` names the first row's model)."""
     lines = ["Checkpoints on one GPU (`bench/checkpoint.py --gpu --devices 1`: distributed optimizer; sync save, "
              f"load, and the step-time stall of an async save; target: stall <= {STALL_TARGET:.0%} of a step for "
              "the default model):", ""]
@@ -374,7 +414,7 @@ def checkpoint_report(rows: list[dict] | dict) -> list[str]:
     stall = rows[0]["stall_share"]
     verdict = "met" if stall <= STALL_TARGET else "NOT met"
     return lines + [_bench_checkpoint().table(rows), "",
-                    f"Async-save stall, default model: **{stall:.0%}** of a step ({verdict})", ""]
+                    f"Async-save stall, {label}: **{stall:.0%}** of a step ({verdict})", ""]
 
 
 def report(info: dict, tests: dict | None, attention: dict | None, attention_shape, gpt: dict | None,
@@ -450,6 +490,11 @@ def main() -> None:
     if a.part == "checkpoint":
         print(json.dumps(checkpoint_rows(a.smoke)))
         return
+    if a.part == "checkpoint-gpt":
+        shape = [f for f in gpt_flags(a)[:8]] + (["--micro-batch-size", "2", "--global-batch-size", "4"] if a.smoke
+                                                  else ["--micro-batch-size", "4", "--global-batch-size", "8"])
+        print(json.dumps(checkpoint_rows(a.smoke, [*shape, "--bf16"])))
+        return
     if a.part == "embedding":
         shape = (64, 32, (256, 1024)) if a.smoke else (8192, 2048, (256, 32768, 50304))
         print(json.dumps(time_embedding_backward(*shape, reps=3 if a.smoke else 20)))
@@ -492,7 +537,7 @@ def main() -> None:
         write()
     if a.sweep:
         runs = []
-        for setting, sweep_flags in sweep_settings(a)[:a.sweep_settings]:
+        for setting, sweep_flags in sweep_settings(a)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
             if skipped(f"sweep setting '{setting}'", 75):
                 break
             runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()))))
@@ -503,10 +548,21 @@ def main() -> None:
         tests = run_gpu_tests(timeout=min(600, left()))
         print(f"> GPU tests: {tests}", flush=True)
         write()
+    if a.ddp_overhead and not skipped("DDP overhead", 90):
+        overhead = ddp_overhead(a, timeout=min(900, left()))
+        print(f"> DDP overhead: {overhead}", flush=True)
+        extra.extend(ddp_overhead_report(overhead))
+        write()
     if a.checkpoint and not skipped("checkpoints", 120):
         rows = _child("checkpoint", a, timeout=min(900, left()))
         print(f"> checkpoints: {rows}", flush=True)
         extra.extend(checkpoint_report(rows))
+        write()
+    if a.checkpoint_gpt and not skipped("checkpoints of the GPT", 150):
+        rows = _child("checkpoint-gpt", a, timeout=min(900, left()))
+        print(f"> checkpoints of the GPT: {rows}", flush=True)
+        extra.extend(["The same for the benchmark GPT (one round, 20 steps after the async save):", ""])
+        extra.extend(checkpoint_report(rows, label="benchmark GPT")[2:])
         write()
     if a.moe and not skipped("MoE vs dense", 150):
         moe_flags = moe_vs_dense_flags(a)

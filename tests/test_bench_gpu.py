@@ -25,7 +25,8 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"))
     env.pop("JAX_NUM_CPU_DEVICES", None)
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--iters", "12", "--profile",
-                             "--sweep", "--sweep-settings", "1", "--out", str(out)], capture_output=True, text=True,
+                             "--sweep", "--sweep-settings", "1", "--ddp-overhead", "--checkpoint-gpt", "--out",
+                             str(out)], capture_output=True, text=True,
                             timeout=600, env=env, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     text = out.read_text()
@@ -35,6 +36,8 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     assert "| V=256 fp32_scatter |" in text and "| V=1024 one_hot_matmul |" in text
     assert "Profile of 2 steady GPT steps" in text and "| matmul |" in text and "summary failed" not in text
     assert "| unrolled, mb default (the run above) |" in text and "| scanned, mb 2 |" in text
+    assert "| package ms | plain jit ms | package / plain |" in text  # --ddp-overhead
+    assert "Async-save stall, benchmark GPT: **" in text  # --checkpoint-gpt
     for kept in (".xplane.pb", ".trace.txt", ".hlo.txt.gz"):  # the trace, its raw listing, the step's HLO
         assert (tmp_path / f"gpu.md{kept}").stat().st_size > 0
 
@@ -94,3 +97,21 @@ def test_checkpoint_step_runs_on_the_default_backend_and_its_report_reads_the_st
     assert "Async-save stall, default model: **5%** of a step (met)" in text
     assert "(NOT met)" in "\n".join(bench_gpu.checkpoint_report([{**row, "stall_share": 0.5}]))
     assert "failed: exit 1" in "\n".join(bench_gpu.checkpoint_report({"error": "exit 1"}))
+
+
+def test_sweep_settings_are_valid_launches_with_distinct_names():
+    import argparse
+
+    from core.training.arguments import parse_args, validate_args
+
+    bench_gpu = _bench_gpu()
+    one_gpu = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    for smoke in (True, False):
+        settings = bench_gpu.sweep_settings(argparse.Namespace(smoke=smoke, iters=30, micro_batch_size=4,
+                                                               global_batch_size=8, gpt_flags=""))
+        assert len(settings) == 11 and len({name for name, _ in settings}) == 11
+        for name, flags in settings:
+            args = parse_args(flags + one_gpu)
+            validate_args(args, 1)
+            assert args.scan_layers == name.startswith("scanned")
+            assert (args.recompute_granularity or "none") in (name if args.recompute_granularity else "none")
