@@ -76,7 +76,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
                    "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
-                   "telling first; 11 in all)")
+                   "telling first; 13 in all)")
     p.add_argument("--sweep-skip", type=int, default=0, help="skip the sweep's first settings (measured before)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
                    "lease's command limit): the report keeps what ran; each step's report is written as it ends")
@@ -293,24 +293,34 @@ def embedding_report(times: dict) -> list[str]:
     return lines + ["| vocabulary, variant | ms |", "|---|---|", *rows, ""]
 
 
-def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, flags)``."""
+SWEEP_XLA_FLAGS = ("--xla_gpu_enable_cublaslt=true", "--xla_gpu_enable_triton_gemm=false")
+"""The sweep's XLA flag rows (each on the default setting)."""
+
+
+def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str], str]]:
+    """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, launch flags,
+    XLA flags)``."""
     shape = SMOKE_SHAPE if a.smoke else gpt_flags(a)[:8]
     m, half, double = (2, 1, 4) if a.smoke else (a.micro_batch_size, a.micro_batch_size // 2, a.micro_batch_size * 2)
     gbs = "4" if a.smoke else str(a.global_batch_size)
     training = _training(argparse.Namespace(iters=SWEEP_ITERS))
     gb = int(gbs)
-    settings = [("scanned", m, None, gb), ("scanned", m, "selective", gb), ("scanned", m, "full", gb),
-                ("scanned", half, None, gb), ("unrolled", m, "selective", gb), ("scanned", double, "selective", gb),
-                ("unrolled", half, None, gb), ("unrolled", double, "full", gb), ("unrolled", double, "selective", gb),
-                ("unrolled", m, None, 4 * gb), ("unrolled", m, "full", gb)]
+    settings = [("scanned", m, None, gb, ""), ("scanned", m, "selective", gb, ""), ("scanned", m, "full", gb, ""),
+                ("scanned", half, None, gb, ""), ("unrolled", m, "selective", gb, ""),
+                ("scanned", double, "selective", gb, ""), ("unrolled", half, None, gb, ""),
+                ("unrolled", double, "full", gb, ""), ("unrolled", double, "selective", gb, ""),
+                ("unrolled", m, None, 4 * gb, ""), ("unrolled", m, "full", gb, "")]
+    # XLA's GPU flags a user (or MaxText) would try: cuBLASLt epilogues (bias, GELU) in the
+    # GEMMs; cuBLAS for every GEMM instead of XLA's Triton GEMM fusions.
+    settings += [("unrolled", m, None, gb, flag) for flag in SWEEP_XLA_FLAGS]
     out = []
-    for layers, mb, recompute, batch in settings:
+    for layers, mb, recompute, batch, xla in settings:
         flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", str(batch), *training]
         flags += ["--scan-layers"] if layers == "scanned" else []
         flags += ["--recompute-granularity", recompute] if recompute else []
         name = f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else "")
-        out.append((name + (f", global batch {batch}" if batch != gb else ""), flags))
+        name += (f", global batch {batch}" if batch != gb else "") + (f", XLA_FLAGS={xla}" if xla else "")
+        out.append((name, flags, xla))
     return out
 
 
@@ -537,10 +547,10 @@ def main() -> None:
         write()
     if a.sweep:
         runs = []
-        for setting, sweep_flags in sweep_settings(a)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
+        for setting, sweep_flags, xla in sweep_settings(a)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
             if skipped(f"sweep setting '{setting}'", 75):
                 break
-            runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()))))
+            runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()), xla_flags=xla)))
             print(f"> sweep {setting}: {runs[-1]}", flush=True)
         extra.extend(sweep_report(runs, gpt))
         write()
