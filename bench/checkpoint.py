@@ -18,7 +18,10 @@ and measures, side by side in one run:
   minus the same steps without a save (medians over ``--reps`` rounds, alternated), as a share of
   one step: the time the training loop loses to a background save (the blocking part, which
   dispatches the gather and an on-device copy, plus the slowdown of the steps that share the
-  cores, and the GIL, with the writer thread). The blocking part alone is reported too.
+  cores, and the GIL, with the writer thread). The blocking part alone is reported too, and the
+  stall again with a 0.5 ms GIL switch interval (Python's default is 5 ms: the loop waits up to
+  that long each time it needs the GIL while the writer holds it). ``--trace-dir`` traces one more
+  async save of the first model and its steps.
 
 Prints a table and writes ``bench/results/checkpoint.md`` (``--out``).
 """
@@ -67,8 +70,29 @@ def _steps(trainer: Any, n: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir: str) -> dict[str, Any]:
-    """One model's row (see the module docstring)."""
+def _async_stall(trainer: Any, directory: str, steps: int) -> tuple[float, float]:
+    """``(blocking, blocking + steps)`` seconds of an async save into ``directory`` followed by
+    ``steps`` training steps (the save is waited for afterwards, untimed)."""
+    trainer.args.async_save = True
+    trainer.finish_saving()
+    start = time.perf_counter()
+    trainer.save(directory)
+    blocking = time.perf_counter() - start
+    total = blocking + _steps(trainer, steps)
+    trainer.finish_saving()
+    trainer.args.async_save = False
+    return blocking, total
+
+
+FAST_SWITCH_S = 0.0005
+"""The GIL switch interval of the ``fast_switch`` rows (Python's default: 0.005 s): a thread
+waiting for the GIL waits up to the interval for the holder (here the writer) to drop it."""
+
+
+def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir: str,
+            trace_dir: str | None = None) -> dict[str, Any]:
+    """One model's row (see the module docstring); with ``trace_dir`` one more async save and
+    its steps are traced there (``jax.profiler``) after the timed rounds."""
     import jax
 
     trainer = _trainer(model_flags, devices, ["--async-save"])
@@ -79,7 +103,7 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     sync_dir, async_dir = os.path.join(workdir, "sync"), os.path.join(workdir, "async")
     trainer.args.async_save = False
     trainer.save(sync_dir)  # compiles the gather program
-    saves, loads, stalls, blocking, plain = [], [], [], [], []
+    saves, loads, stalls, blocking, plain, fast = [], [], [], [], [], []
     loader = _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
@@ -91,33 +115,41 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
         loader.load(sync_dir)
         jax.block_until_ready(loader.opt_state)
         loads.append(time.perf_counter() - start)
-        # Alternate: steps alone, then an async save followed by the same number of steps.
+        # Alternate: steps alone, then an async save followed by the same number of steps, then
+        # the same with a short GIL switch interval.
         plain.append(_steps(trainer, steps))
-        trainer.args.async_save = True
-        trainer.finish_saving()
-        start = time.perf_counter()
-        trainer.save(async_dir)
-        blocking.append(time.perf_counter() - start)
-        stalls.append(blocking[-1] + _steps(trainer, steps))
-        trainer.finish_saving()
-        trainer.args.async_save = False
+        block, total = _async_stall(trainer, async_dir, steps)
+        blocking.append(block)
+        stalls.append(total)
+        default_interval = sys.getswitchinterval()
+        sys.setswitchinterval(FAST_SWITCH_S)
+        try:
+            fast.append(_async_stall(trainer, async_dir, steps)[1])
+        finally:
+            sys.setswitchinterval(default_interval)
+    if trace_dir is not None:
+        import jax.profiler
+
+        with jax.profiler.trace(trace_dir):
+            _async_stall(trainer, async_dir, steps)
     step = statistics.median(plain) / steps
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
     return {"model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
             "disk_mib": size / MIB, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking) * 1e3,
-            "stall_share": (statistics.median(stalls) - statistics.median(plain)) / step}
+            "stall_share": (statistics.median(stalls) - statistics.median(plain)) / step,
+            "stall_share_fast_switch": (statistics.median(fast) - statistics.median(plain)) / step}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`measure`'s rows."""
     lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking | "
-             "async stall / step |", "|---|---|---|---|---|---|---|---|---|"]
+             "async stall / step | same, GIL switch 0.5 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['state_mib']:.1f} MiB | {r['disk_mib']:.1f} MiB "
                      f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms | {r['blocking_ms']:.0f} ms "
-                     f"| {r['stall_share']:.0%} |")
+                     f"| {r['stall_share']:.0%} | {r['stall_share_fast_switch']:.0%} |")
     return "\n".join(lines)
 
 
@@ -136,6 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "--devices devices), not on --devices simulated CPU devices")
     p.add_argument("--steps", type=int, default=5, help="steps timed after each async save")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--trace-dir", default=None, help="trace one more async save of the first model and its "
+                   "steps there (jax.profiler; python -m core.training.profile_summary DIR --raw)")
     p.add_argument("--model-flags", default=None, help="measure this one model instead (launch/pretrain.py flags, "
                    "e.g. bench/gpu.py's GPT)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
@@ -147,9 +181,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if a.model_flags is not None:
         models = [a.model_flags.split()]
     rows = []
-    for flags in models:
+    for i, flags in enumerate(models):
         with tempfile.TemporaryDirectory() as workdir:
-            rows.append(measure(flags, a.devices, steps, reps, workdir))
+            rows.append(measure(flags, a.devices, steps, reps, workdir, a.trace_dir if i == 0 else None))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = table(rows)
     print(text)

@@ -403,14 +403,35 @@ def _bench_checkpoint():
     return module
 
 
-def checkpoint_rows(smoke: bool, gpt: list[str] | None = None) -> list[dict]:
+def checkpoint_rows(smoke: bool, gpt: list[str] | None = None, out: Path | None = None) -> list[dict]:
     """The checkpoint step (run in a child process): ``bench/checkpoint.py --gpu --devices 1``'s
-    rows; with ``gpt`` (model flags) that model's row alone, one round of 20 steps."""
+    rows; with ``gpt`` (model flags) that model's row alone, one round of 20 steps. With ``out``
+    (the report) a trace of one more async save of the first model and its steps is kept next to
+    it (``<out>.checkpoint.xplane.pb`` when under 15 MB, its raw listing ``<out>.checkpoint.txt``)."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--gpu", "--devices", "1", "--out", os.path.join(tmp, "checkpoint.md")]
         if gpt is not None:
             argv += ["--reps", "1", "--steps", "3" if smoke else "20", "--model-flags", " ".join(gpt)]
-        return _bench_checkpoint().main(argv + (["--quick"] if smoke and gpt is None else []))
+        if out is not None:
+            argv += ["--trace-dir", os.path.join(tmp, "trace")]
+        rows = _bench_checkpoint().main(argv + (["--quick"] if smoke and gpt is None else []))
+        if out is not None:
+            _keep_trace(os.path.join(tmp, "trace"), Path(str(out) + ".checkpoint"))
+        return rows
+
+
+def _keep_trace(directory: str, stem: Path) -> None:
+    """The trace under ``directory`` as ``<stem>.xplane.pb`` (when under 15 MB) and its raw
+    listing as ``<stem>.txt``; a missing or unreadable trace is reported, not raised."""
+    from core.training.profile_summary import _trace_file, describe_planes
+
+    try:
+        trace = _trace_file(directory)
+        if os.path.getsize(trace) < 15 * 2**20:
+            Path(str(stem) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
+        Path(str(stem) + ".txt").write_text(describe_planes(trace, top=12))
+    except Exception as err:  # the benchmark's figures stand without the trace
+        print(f"  trace not kept: {type(err).__name__}: {str(err)[:200]}")
 
 
 def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> list[str]:
@@ -468,10 +489,12 @@ def device_info() -> dict:
             "jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0]}
 
 
-def _child(part: str, a: argparse.Namespace, timeout: float = 900) -> dict | list:
-    """Run ``--part part`` of this script in a fresh process; its last output line is JSON. A
-    failed step gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns)."""
+def _child(part: str, a: argparse.Namespace, timeout: float = 900, out: Path | None = None) -> dict | list:
+    """Run ``--part part`` of this script in a fresh process (``out``: the report, next to which
+    it may keep files); its last output line is JSON. A failed step gives ``{"error": ...}``
+    (the run goes on: a GPU lease has no time for reruns)."""
     cmd = [sys.executable, __file__, "--part", part] + (["--smoke"] if a.smoke else [])
+    cmd += ["--out", str(out)] if out is not None else []
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
     except subprocess.TimeoutExpired:
@@ -498,7 +521,7 @@ def main() -> None:
         print(json.dumps(time_attention(_attention_shape(a.smoke), reps=3 if a.smoke else 20)))
         return
     if a.part == "checkpoint":
-        print(json.dumps(checkpoint_rows(a.smoke)))
+        print(json.dumps(checkpoint_rows(a.smoke, out=Path(a.out) if a.out else None)))
         return
     if a.part == "checkpoint-gpt":
         shape = [f for f in gpt_flags(a)[:8]] + (["--micro-batch-size", "2", "--global-batch-size", "4"] if a.smoke
@@ -564,7 +587,7 @@ def main() -> None:
         extra.extend(ddp_overhead_report(overhead))
         write()
     if a.checkpoint and not skipped("checkpoints", 120):
-        rows = _child("checkpoint", a, timeout=min(900, left()))
+        rows = _child("checkpoint", a, timeout=min(900, left()), out=out)
         print(f"> checkpoints: {rows}", flush=True)
         extra.extend(checkpoint_report(rows))
         write()
