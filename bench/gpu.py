@@ -253,13 +253,17 @@ def hlo_dump_flags(directory: str) -> str:
     return f"--xla_dump_to={directory}/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_body"
 
 
-def _keep_hlo(directory: str, out: Path) -> None:
-    """The largest optimized HLO dumped under ``directory`` (the train step), gzipped to ``<out>.hlo.txt.gz``."""
+def _keep_hlo(directory: str, out: Path) -> str | None:
+    """The largest optimized HLO dumped under ``directory`` (the train step), gzipped to
+    ``<out>.hlo.txt.gz``; returns its text (None: nothing dumped)."""
     import gzip
 
     dumps = sorted(Path(directory).glob("hlo/*after_optimizations.txt"), key=lambda f: f.stat().st_size)
-    if dumps:
-        Path(str(out) + ".hlo.txt.gz").write_bytes(gzip.compress(dumps[-1].read_bytes()))
+    if not dumps:
+        return None
+    text = dumps[-1].read_text()
+    Path(str(out) + ".hlo.txt.gz").write_bytes(gzip.compress(text.encode()))
+    return text
 
 
 def profile_report(directory: str, out: Path) -> list[str]:
@@ -268,8 +272,9 @@ def profile_report(directory: str, out: Path) -> list[str]:
     under 15 MB, ``<out>.trace.txt``, ``<out>.hlo.txt.gz``)."""
     from core.training.profile_summary import _trace_file, describe_planes, markdown, summarize
 
+    hlo = None
     try:
-        _keep_hlo(directory, out)
+        hlo = _keep_hlo(directory, out)
     except OSError as err:
         print(f"  HLO dump not kept: {err}")
     lines = [f"Profile of {PROFILE_STEPS} steady GPT steps (`launch/pretrain.py --profile`; "
@@ -279,7 +284,7 @@ def profile_report(directory: str, out: Path) -> list[str]:
         if os.path.getsize(trace) < 15 * 2**20:
             Path(str(out) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
         Path(str(out) + ".trace.txt").write_text(describe_planes(trace, top=8))
-        return lines + [markdown(summarize(trace, steps=PROFILE_STEPS, top=12)), ""]
+        return lines + [markdown(summarize(trace, steps=PROFILE_STEPS, top=12, hlo_text=hlo)), ""]
     except Exception as err:  # a trace layout the summary misreads: the raw listing is kept
         return lines + [f"summary failed: {type(err).__name__}: {str(err)[:300]}", ""]
 

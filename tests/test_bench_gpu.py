@@ -35,6 +35,7 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
     assert "GPT training failed" not in text and "failed" not in text.split("GPT pretraining")[1]
     assert "| V=256 fp32_scatter |" in text and "| V=1024 one_hot_matmul |" in text
     assert "Profile of 2 steady GPT steps" in text and "| matmul |" in text and "summary failed" not in text
+    assert "| source (HLO op metadata) | ms/step | share |" in text  # the kept HLO names the ops' sources
     assert "| unrolled, mb default (the run above) |" in text and "| scanned, mb 2 |" in text
     assert "| package ms | plain jit ms | package / plain |" in text  # --ddp-overhead
     assert "Async-save stall, benchmark GPT: **" in text  # --checkpoint-gpt

@@ -13,7 +13,16 @@ from pretrain_harness import TINY
 from core import parallel_state as ps
 from core.training.arguments import ArgumentError, parse_args, validate_args
 from core.training.pretrainer import Pretrainer
-from core.training.profile_summary import CATEGORIES, categorize, main, markdown, summarize
+from core.training.profile_summary import (
+    CATEGORIES,
+    categorize,
+    hlo_sources,
+    main,
+    markdown,
+    read_hlo,
+    source_of,
+    summarize,
+)
 
 ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 
@@ -70,3 +79,15 @@ def test_profile_step_range_must_be_increasing():
 ])
 def test_kernel_names_fall_in_their_categories(name, category):
     assert categorize(name) == category
+
+
+def test_sources_come_from_the_hlo_metadata(tmp_path):
+    assert source_of("jit(body)/while/body/eval_jaxpr/transpose(jvp())/eval_jaxpr/TransformerLayer/mlp/fc1/"
+                     "dot_general") == "TransformerLayer/mlp/fc1/dot_general (bwd)"
+    assert source_of("jit(body)/while/body/eval_jaxpr/jvp()/eval_jaxpr/TransformerLayer/mlp/mul") == \
+        "TransformerLayer/mlp/mul"
+    hlo = jax.jit(lambda x: jax.numpy.tanh(x @ x).sum()).lower(jax.numpy.ones((8, 8))).compile().as_text()
+    sources = hlo_sources(hlo)
+    assert sources and any("tanh" in s or "dot_general" in s for s in sources.values()), sources
+    (tmp_path / "step.txt").write_text(hlo)
+    assert read_hlo(str(tmp_path / "step.txt")) == hlo

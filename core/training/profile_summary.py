@@ -1,6 +1,7 @@
 """Summarise a ``jax.profiler`` trace (``--profile``'s ``*.xplane.pb``) into the table a
 performance review starts from: device time per category (matmuls, attention, collectives,
-copies, elementwise/fusions), the idle share of the traced window (host gaps) and the top ops.
+copies, elementwise/fusions), the idle share of the traced window (host gaps), the top ops and,
+with the step's optimized HLO (``--hlo``), the source of each op and the time per source.
 
 ``python -m core.training.profile_summary TRACE_DIR`` prints it (markdown). On a GPU the device
 planes' kernel events are counted (``/device:GPU:N``, stream lines); on the CPU the XLA thunks of
@@ -12,8 +13,10 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
+import re
 import sys
 
 CATEGORIES = ("matmul", "attention", "collective", "copy/transpose", "elementwise/fusion", "other")
@@ -37,6 +40,37 @@ def categorize(name: str, hlo_op: str = "") -> str:
             if any(n in text for n in needles):
                 return category
     return "other"
+
+
+_HLO_OP = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = [^\n]*?metadata=\{op_name="([^"]*)"', re.M)
+_WRAPPER = re.compile(r"^(jit\(.*\)|while|body|eval_jaxpr|jvp\(.*\)|transpose\(.*\)|shard_map|closed_call|"
+                      r"checkpoint|remat.*|cond|branch_\d+|pjit|custom_vjp_call.*|custom_jvp_call.*)$")
+
+
+def source_of(op_name: str) -> str:
+    """A readable source of an HLO instruction from its ``op_name`` metadata: JAX's wrapper
+    segments (``jit(...)``, ``while/body``, ``jvp(...)``, ...) dropped, the last four kept, and
+    ``(bwd)`` when it belongs to the backward (a ``transpose(...)``)."""
+    op_name = max(op_name.split(";"), key=len)  # fused ops name several sources: the fullest
+    parts = [p for p in op_name.split("/") if p and not _WRAPPER.match(p)]
+    return "/".join(parts[-4:]) + (" (bwd)" if "transpose(" in op_name else "")
+
+
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+    """Each instruction of an HLO dump (``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``,
+    the ``*after_optimizations.txt`` file) by its kernel name (``loop_add_fusion.52`` runs as
+    ``loop_add_fusion_52``) to :func:`source_of` its metadata."""
+    return {_kernel_key(name): source_of(op) for name, op in _HLO_OP.findall(hlo_text)}
+
+
+def _kernel_key(name: str) -> str:
+    return re.sub(r"_kernel\d*$", "", name.replace(".", "_").replace("-", "_"))
+
+
+def read_hlo(path: str) -> str:
+    """The text of an HLO dump (plain or gzipped)."""
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return f.read()
 
 
 def _trace_file(path: str) -> str:
@@ -86,11 +120,14 @@ def _busy_ns(events: list[tuple[str, str, float, float]]) -> float:
     return busy
 
 
-def summarize(path: str, steps: int = 1, top: int = 10) -> dict:
+def summarize(path: str, steps: int = 1, top: int = 10, hlo_text: str | None = None) -> dict:
     """Device time of the trace at ``path`` (a file or a directory holding one), per ``steps``
     traced steps: ``window_ms`` (first event start to last event end), ``busy_ms`` and
     ``idle_share`` (host gaps), ``categories`` (ms and share of the summed op time) and the
-    ``top`` ops by time (name, HLO op, category, count, ms)."""
+    ``top`` ops by time (name, HLO op, category, count, ms). With the step's optimized HLO
+    (``hlo_text``) each op also gets its ``source`` (:func:`hlo_sources`; kernels XLA did not
+    name after an instruction, such as cuBLAS's, get none) and ``sources`` sums the time per
+    source (the ``top`` largest)."""
     from jax.profiler import ProfileData
 
     trace = _trace_file(path)
@@ -109,11 +146,21 @@ def summarize(path: str, steps: int = 1, top: int = 10) -> dict:
         entry[1] += duration
     ms = lambda ns: ns / 1e6 / steps
     ops = sorted(per_op.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"trace": trace, "source": source, "steps": steps, "events": len(events), "window_ms": ms(window),
-            "busy_ms": ms(busy), "idle_share": 1 - busy / window if window else 0.0, "op_ms": ms(total),
-            "categories": {c: {"ms": ms(per_cat[c]), "share": per_cat[c] / total} for c in CATEGORIES if per_cat[c]},
-            "top": [{"name": n[:90], "hlo_op": h[:60], "category": categorize(n, h), "count": c // steps,
-                     "ms": ms(t), "share": t / total} for (n, h), (c, t) in ops]}
+    sources = hlo_sources(hlo_text) if hlo_text else {}
+    source_of_op = lambda n, h: sources.get(_kernel_key(n)) or sources.get(_kernel_key(h), "")
+    summary = {"trace": trace, "source": source, "steps": steps, "events": len(events), "window_ms": ms(window),
+               "busy_ms": ms(busy), "idle_share": 1 - busy / window if window else 0.0, "op_ms": ms(total),
+               "categories": {c: {"ms": ms(per_cat[c]), "share": per_cat[c] / total}
+                              for c in CATEGORIES if per_cat[c]},
+               "top": [{"name": n[:90], "hlo_op": h[:60], "category": categorize(n, h), "count": c // steps,
+                        "ms": ms(t), "share": t / total, "source": source_of_op(n, h)} for (n, h), (c, t) in ops]}
+    if sources:
+        per_source: dict[str, float] = collections.defaultdict(float)
+        for (n, h), (_, t) in per_op.items():
+            per_source[source_of_op(n, h) or f"({categorize(n, h)}: no HLO name)"] += t
+        summary["sources"] = [{"source": k, "ms": ms(t), "share": t / total}
+                              for k, t in sorted(per_source.items(), key=lambda kv: -kv[1])[:top]]
+    return summary
 
 
 def markdown(summary: dict) -> str:
@@ -124,9 +171,13 @@ def markdown(summary: dict) -> str:
              f"idle (host gaps) {100 * s['idle_share']:.1f}%, "
              f"summed op time {s['op_ms']:.1f} ms.", "", "| category | ms/step | share of op time |", "|---|---|---|"]
     lines += [f"| {c} | {v['ms']:.2f} | {100 * v['share']:.1f}% |" for c, v in s["categories"].items()]
-    lines += ["", "| op (kernel) | HLO op | category | count/step | ms/step | share |", "|---|---|---|---|---|---|"]
+    lines += ["", "| op (kernel) | HLO op | category | count/step | ms/step | share | source |",
+              "|---|---|---|---|---|---|---|"]
     lines += [f"| `{t['name']}` | `{t['hlo_op']}` | {t['category']} | {t['count']} | {t['ms']:.2f} | "
-              f"{100 * t['share']:.1f}% |" for t in s["top"]]
+              f"{100 * t['share']:.1f}% | {t['source']} |" for t in s["top"]]
+    if s.get("sources"):
+        lines += ["", "| source (HLO op metadata) | ms/step | share |", "|---|---|---|"]
+        lines += [f"| {t['source']} | {t['ms']:.2f} | {100 * t['share']:.1f}% |" for t in s["sources"]]
     return "\n".join(lines)
 
 
@@ -160,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10, help="ops listed")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--raw", action="store_true", help="print every plane and line of the trace instead")
+    p.add_argument("--hlo", default=None, help="the step's optimized HLO dump (text or .gz): each op's source")
     a = p.parse_args(argv)
     if a.raw:
         print(describe_planes(a.trace))
         return 0
-    summary = summarize(a.trace, a.steps, a.top)
+    summary = summarize(a.trace, a.steps, a.top, read_hlo(a.hlo) if a.hlo else None)
     print(json.dumps(summary) if a.json else markdown(summary))
     return 0
 
