@@ -86,3 +86,14 @@ def test_spiky_loss_factor_must_exceed_one():
 
     with pytest.raises(ArgumentError, match="--spiky-loss-factor must be > 1, got 1.0"):
         validate_args(parse_args([*TINY, *ONE, "--spiky-loss-factor", "1.0"]), 2)
+
+
+def test_a_write_error_names_the_os_reason_even_mid_message():
+    # tensorstore can report ENOSPC mid-message, before a long JSON spec that the one-line cut drops.
+    from core.training.pretrainer import _write_error
+
+    error = ValueError('RESOURCE_EXHAUSTED: Error writing "x/.zarray": Failed to write 9 bytes to file 25: No space '
+                       'left on device [os_error_code=\'28\'] ' + '{"spec": 0} ' * 100)
+    assert _write_error(error).startswith("No space left on device: RESOURCE_EXHAUSTED: Error writing")
+    assert len(_write_error(error)) < 450
+    assert _write_error(ValueError("short")) == "short"

@@ -81,6 +81,19 @@ def _first_line(error: BaseException, limit: int = 400) -> str:
     return line if len(line) <= limit else f"{line[:limit // 3]} ... {line[-(limit - limit // 3 - 5):]}"
 
 
+_OS_REASONS = ("No space left on device", "Permission denied", "Read-only file system", "Disk quota exceeded")
+"""Reasons a checkpoint write fails that the message must name even when the error's text is long."""
+
+
+def _write_error(error: BaseException) -> str:
+    """A failed checkpoint write as one line: the OS reason first when the error's text holds
+    one (tensorstore may put it mid-message, before a long spec that :func:`_first_line` cuts),
+    then the error's first line."""
+    text = str(error)
+    reason = next((r for r in _OS_REASONS if r in text), None)
+    return f"{reason}: {_first_line(error)}" if reason else _first_line(error)
+
+
 def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
     """Megatron's schedule: linear warm-up to ``--lr``, then constant/linear/cosine decay to ``--min-lr``."""
     decay_iters = max(1, (args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters)
@@ -500,7 +513,7 @@ class Pretrainer:
             self._saver.save(self.iteration, state, meta)
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
             self._saver = None
-            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_first_line(e)}; "
+            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
                                 "the earlier checkpoints are intact") from None
 
     def finish_saving(self) -> None:
@@ -509,7 +522,7 @@ class Pretrainer:
             try:
                 self._saver.close()
             except (OSError, ValueError) as e:
-                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {_first_line(e)}; "
+                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {_write_error(e)}; "
                                     "the earlier checkpoints are intact") from None
             finally:
                 self._saver = None
