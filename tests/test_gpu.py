@@ -64,6 +64,18 @@ def test_bf16_pretraining_learns():
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_bf16_recompute_keeps_the_losses(granularity):
+    # In bf16 the attention is cuDNN's custom call: selective recompute keeps the linear layers'
+    # outputs and reruns it in the backward, a path the CPU suite never takes.
+    from pretrain_harness import layout_losses
+
+    one = jax.devices()[:1]
+    base = layout_losses(1, 1, one, iters=5, extra=("--bf16",))
+    got = layout_losses(1, 1, one, iters=5, extra=("--bf16", "--recompute-granularity", granularity))
+    np.testing.assert_allclose(got, base, rtol=1e-2)
+
+
 def test_cpu_settings_stay_off_and_mfu_uses_the_datasheet():
     from core.jax_backend import jax_runs_on_cpu
     from core.training.device_peak import datasheet_peak, device_peak
