@@ -71,6 +71,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from mpi_launch import start_worker_process, write_processes_report  # noqa: E402
 from timing import BenchRun, round_robin_medians, round_robin_times  # noqa: E402
 
 MIB = 1024 * 1024
@@ -584,17 +585,8 @@ def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         platform = jax.devices()[0].platform
         workload = (f"causal self-attention forward + backward, batch {a.batch} x {a.heads} heads x head dim "
                     f"{a.head_dim}, seq {a.seq}, float32, {cp} processes, one {platform} device each")
-        text = hiding_table(rows)
-        print(f"{workload}\n\nring communication hidden (rank 0, median of {a.hide_reps} round-robin rounds; "
-              f"{run.lap()})\n\n{text}", flush=True)
-        out = Path(a.out if a.out != DEFAULT_OUT else
-                   ROOT / "bench" / "results" / f"context_parallel_processes_{platform}.md")
-        quick = " --quick" if a.quick else ""
-        header = run.header(f"mpirun -n {cp} python bench/context_parallel.py{quick}", a.machine, a.note)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## Ring communication hidden between processes "
-                       f"(rank 0, median of {a.hide_reps} round-robin rounds)\n\n{text}\n")
-        print(f"\n{run.elapsed():.0f} s; wrote {out}")
+        write_processes_report(run, a, "context_parallel.py", workload, "ring communication hidden between processes",
+                               a.hide_reps, hiding_table(rows), DEFAULT_OUT, "context_parallel_processes")
     return rows
 
 
@@ -603,8 +595,6 @@ if __name__ == "__main__":
     from core.parallel_state import mpi_world_size_from_env
 
     if mpi_world_size_from_env() > 1:
-        from mpi_launch import start_worker_process
-
         start_worker_process()
         processes_main()
         sys.exit(0)

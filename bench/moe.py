@@ -71,6 +71,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from mpi_launch import start_worker_process, write_processes_report  # noqa: E402
 from timing import BenchRun, round_robin_medians  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "results" / "moe_cpu.md"
@@ -310,14 +311,8 @@ def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                     f"{platform} device each")
         lines = ["| all-to-all | ms | / default |", "|---|---|---|"]
         lines += [f"| {r['exchange']} | {r['time_s'] * 1e3:.1f} | {r['over_default']:.2f} |" for r in rows]
-        text = "\n".join(lines)
-        print(f"{workload}\n\n(rank 0, median of {a.reps} round-robin rounds; {run.lap()})\n\n{text}", flush=True)
-        out = Path(a.out if a.out != str(DEFAULT_OUT) else ROOT / "bench" / "results" / f"moe_processes_{platform}.md")
-        header = run.header(f"mpirun -n {ep} python bench/moe.py{' --quick' if a.quick else ''}", a.machine, a.note)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## The dropless all-to-all's exchanges between "
-                       f"processes (rank 0, median of {a.reps} round-robin rounds)\n\n{text}\n")
-        print(f"\n{run.elapsed():.0f} s; wrote {out}")
+        write_processes_report(run, a, "moe.py", workload, "the dropless all-to-all's exchanges between processes",
+                               a.reps, "\n".join(lines), DEFAULT_OUT, "moe_processes")
     return rows
 
 
@@ -503,8 +498,6 @@ if __name__ == "__main__":
     from core.parallel_state import mpi_world_size_from_env
 
     if mpi_world_size_from_env() > 1:
-        from mpi_launch import start_worker_process
-
         start_worker_process()
         processes_main()
         sys.exit(0)

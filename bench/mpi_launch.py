@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 ROW = "ROW "
 
@@ -50,3 +51,24 @@ def start_worker_process() -> None:
 
     jax.devices()
     release_cpu_affinity()
+
+
+def write_processes_report(run, a, script: str, workload: str, title: str, reps: int, table: str,
+                           one_process_out: str, stem: str) -> Path:
+    """Rank 0 of a benchmark's ``mpirun`` mode: print ``workload`` and ``table`` and write them under
+    ``run``'s header (a :class:`timing.BenchRun`) to ``a.out``, or to
+    ``bench/results/<stem>_<platform>.md`` when ``a.out`` is the one-process report's default
+    ``one_process_out``; ``title`` (lower case) names the table. Returns the report's path."""
+    import jax
+
+    platform, processes = jax.devices()[0].platform, jax.process_count()
+    rounds = f"rank 0, median of {reps} round-robin rounds"
+    print(f"{workload}\n\n{title} ({rounds}; {run.lap()})\n\n{table}", flush=True)
+    root = Path(__file__).resolve().parents[1]
+    out = Path(a.out if str(a.out) != str(one_process_out) else root / "bench" / "results" / f"{stem}_{platform}.md")
+    header = run.header(f"mpirun -n {processes} python bench/{script}{' --quick' if a.quick else ''}", a.machine,
+                        a.note)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## {title[0].upper()}{title[1:]} ({rounds})\n\n{table}\n")
+    print(f"\n{run.elapsed():.0f} s; wrote {out}")
+    return out
