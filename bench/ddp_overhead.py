@@ -7,8 +7,9 @@ the same GPT on one device.
 * ``package``: ``Pretrainer``'s step (``DistributedDataParallel.make_train_step``: grad buffers,
   ``finalize_model_grads``, global-norm clipping, AdamW with decay on matrices), one microbatch;
 * ``plain``: ``jax.jit`` of ``value_and_grad(model.loss_fn)`` then optax global-norm clipping
-  and AdamW (the tutorial recipe; ``shard_map`` over the same one-device mesh only binds the
-  model's axis names), params and optimizer state donated as in the package.
+  and AdamW: ``bench/e2e_jax.py``'s tutorial recipe without its gradient ``pmean`` (its
+  ``shard_map`` over the same one-device mesh only binds the model's axis names), params and
+  optimizer state donated as in the package.
 
 The same model, parameters and batch; each variant's step is the median over ``--steps`` of
 ``--steps`` back-to-back steps per round (dispatch then wait), rounds alternating between the
@@ -26,6 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GPT_1B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
           "--micro-batch-size", "4", "--global-batch-size", "4"]
@@ -57,32 +59,19 @@ def _trainer(a: argparse.Namespace):
     return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:1]))
 
 
-def plain_step(model, mesh, params):
-    """``(step, opt_state)``: the plain jitted step of ``model`` and its AdamW state for ``params``."""
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1))
-
-    def step(p, o, batch):
-        loss, grads = jax.value_and_grad(model.loss_fn)(p, batch)
-        updates, o = tx.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, loss
-
-    one = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P()), out_specs=(P(), P(), P()), check_vma=False)
-    return jax.jit(one, donate_argnums=(0, 1)), jax.jit(tx.init)(params)
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Measure both steps; print and return the JSON record."""
     a = _args(argv)
     import jax
+    from e2e_jax import pmean_recipe_step
+    from jax.sharding import PartitionSpec as P
 
     trainer = _trainer(a)
     batch = trainer.data.next_train_batch()
     params = jax.tree.map(lambda x: x.copy(), trainer.params)  # the plain step's own copy (both donate)
-    plain, plain_opt = plain_step(trainer.model, trainer.state.mesh, params)
+    plain, plain_opt = pmean_recipe_step(trainer.model.loss_fn, params, jax.tree.map(lambda _: P(), params),
+                                         trainer.state.mesh, trainer.state.data_parallel_axis_name,
+                                         reduce_grads=False)
     state = {"package": [trainer.params, trainer.opt_state], "plain": [params, plain_opt]}
     steps = {"package": lambda p, o: trainer.train_step(p, o, batch)[:2],
              "plain": lambda p, o: plain(p, o, batch)[:2]}

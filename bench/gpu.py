@@ -100,8 +100,8 @@ def run_gpu_tests(timeout: float = 600) -> dict:
                               str(ROOT / "tests" / "test_gpu.py")], capture_output=True, text=True, cwd=ROOT,
                              env=_env(), timeout=max(1, timeout))
     except subprocess.TimeoutExpired as err:
-        out = subprocess.CompletedProcess(err.cmd, 1, (err.stdout or b"").decode(errors="replace")
-                                          if isinstance(err.stdout, bytes) else (err.stdout or ""), "timed out")
+        # TimeoutExpired holds bytes whatever text= said
+        out = subprocess.CompletedProcess(err.cmd, 1, (err.stdout or b"").decode(errors="replace"), "timed out")
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", out.stdout)}
     if out.returncode not in (0, 5):
         print(out.stdout[-4000:], out.stderr[-2000:], sep="\n")
@@ -175,14 +175,23 @@ def _training(a: argparse.Namespace) -> list[str]:
             "3e-4", "--lr-warmup-iters", "2", "--no-progress-bar"]
 
 
+def gpt_shape(a: argparse.Namespace) -> list[str]:
+    """The launch/pretrain.py flags of the benchmark GPT's shape."""
+    if a.smoke:
+        return SMOKE_SHAPE
+    return ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
+
+
+def gpt_batch(a: argparse.Namespace) -> list[str]:
+    """The launch/pretrain.py flags of the benchmark GPT's batch."""
+    if a.smoke:
+        return SMOKE_BATCH
+    return ["--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size)]
+
+
 def gpt_flags(a: argparse.Namespace) -> list[str]:
     """The launch/pretrain.py flags of the benchmark GPT."""
-    if a.smoke:
-        shape, batch = SMOKE_SHAPE, SMOKE_BATCH
-    else:
-        shape = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048"]
-        batch = ["--micro-batch-size", str(a.micro_batch_size), "--global-batch-size", str(a.global_batch_size)]
-    return [*shape, *batch, *_training(a), *a.gpt_flags.split()]
+    return [*gpt_shape(a), *gpt_batch(a), *_training(a), *a.gpt_flags.split()]
 
 
 MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
@@ -270,7 +279,7 @@ def profile_report(directory: str, out: Path) -> list[str]:
     """The trace's summary tables (``core.training.profile_summary``); the trace file, its raw
     plane listing and the step's optimized HLO are kept next to ``out`` (``<out>.xplane.pb`` when
     under 15 MB, ``<out>.trace.txt``, ``<out>.hlo.txt.gz``)."""
-    from core.training.profile_summary import _trace_file, describe_planes, markdown, summarize
+    from core.training.profile_summary import markdown, summarize
 
     hlo = None
     try:
@@ -280,10 +289,7 @@ def profile_report(directory: str, out: Path) -> list[str]:
     lines = [f"Profile of {PROFILE_STEPS} steady GPT steps (`launch/pretrain.py --profile`; "
              "`python -m core.training.profile_summary DIR`), device time per step:", ""]
     try:
-        trace = _trace_file(directory)
-        if os.path.getsize(trace) < 15 * 2**20:
-            Path(str(out) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
-        Path(str(out) + ".trace.txt").write_text(describe_planes(trace, top=8))
+        trace = _keep_trace(directory, out)
         return lines + [markdown(summarize(trace, steps=PROFILE_STEPS, top=12, hlo_text=hlo)), ""]
     except Exception as err:  # a trace layout the summary misreads: the raw listing is kept
         return lines + [f"summary failed: {type(err).__name__}: {str(err)[:300]}", ""]
@@ -328,38 +334,39 @@ def write_token_ids(prefix: str, vocab: int, tokens: int, seed: int = 0) -> None
     builder.finalize(get_idx_path(prefix))
 
 
+def sweep_vocab(a: argparse.Namespace) -> int:
+    """The realistic-vocabulary row's ``--vocab-size``."""
+    return SMOKE_VOCAB if a.smoke else GPT2_VOCAB
+
+
 def sweep_settings(a: argparse.Namespace, data_prefix: str = "DATA") -> list[tuple[str, list[str], str]]:
     """The one-GPU tuning sweep of the benchmark GPT, most telling first: ``(name, launch flags,
     XLA flags)``; the realistic-vocabulary row reads ``data_prefix`` (:func:`write_token_ids`)."""
-    shape = SMOKE_SHAPE if a.smoke else gpt_flags(a)[:8]
     m, half, double = (2, 1, 4) if a.smoke else (a.micro_batch_size, a.micro_batch_size // 2, a.micro_batch_size * 2)
-    gbs = "4" if a.smoke else str(a.global_batch_size)
+    gb = 4 if a.smoke else a.global_batch_size
     training = _training(argparse.Namespace(iters=SWEEP_ITERS))
-    gb = int(gbs)
-    settings = [("scanned", m, None, gb, ""), ("scanned", m, "selective", gb, ""), ("scanned", m, "full", gb, ""),
-                ("scanned", half, None, gb, ""), ("unrolled", m, "selective", gb, ""),
-                ("scanned", double, "selective", gb, ""), ("unrolled", half, None, gb, ""),
-                ("unrolled", double, "full", gb, ""), ("unrolled", double, "selective", gb, ""),
-                ("unrolled", m, None, 4 * gb, ""), ("unrolled", m, "full", gb, "")]
-    # XLA's GPU flags a user (or MaxText) would try: cuBLASLt epilogues (bias, GELU) in the
-    # GEMMs; cuBLAS for every GEMM instead of XLA's Triton GEMM fusions.
-    settings += [("unrolled", m, None, gb, flag) for flag in SWEEP_XLA_FLAGS]
-    settings += [("unrolled", m, None, gb, "vocab")]  # GPT-2's vocabulary: the output layer and fp32 logits
-    out = []
-    for layers, mb, recompute, batch, xla in settings:
-        flags = [*shape, "--micro-batch-size", str(mb), "--global-batch-size", str(batch), *training]
-        if xla == "vocab":
-            flags += ["--data-path", data_prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size",
-                      str(SMOKE_VOCAB if a.smoke else GPT2_VOCAB)]
-            out.append((f"{layers}, mb {mb}, vocabulary {SMOKE_VOCAB if a.smoke else GPT2_VOCAB} + EOD (random ids)",
-                        flags, ""))
-            continue
+
+    def setting(layers: str, mb: int, recompute: str | None = None, batch: int = gb, xla: str = "",
+                vocab: int | None = None) -> tuple[str, list[str], str]:
+        flags = [*gpt_shape(a), "--micro-batch-size", str(mb), "--global-batch-size", str(batch), *training]
         flags += ["--scan-layers"] if layers == "scanned" else []
         flags += ["--recompute-granularity", recompute] if recompute else []
         name = f"{layers}, mb {mb}" + (f", {recompute} recompute" if recompute else "")
         name += (f", global batch {batch}" if batch != gb else "") + (f", XLA_FLAGS={xla}" if xla else "")
-        out.append((name, flags, xla))
-    return out
+        if vocab:
+            flags += ["--data-path", data_prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab)]
+            name += f", vocabulary {vocab} + EOD (random ids)"
+        return name, flags, xla
+
+    return [setting("scanned", m), setting("scanned", m, "selective"), setting("scanned", m, "full"),
+            setting("scanned", half), setting("unrolled", m, "selective"), setting("scanned", double, "selective"),
+            setting("unrolled", half), setting("unrolled", double, "full"), setting("unrolled", double, "selective"),
+            setting("unrolled", m, batch=4 * gb), setting("unrolled", m, "full"),
+            # XLA's GPU flags a user (or MaxText) would try: cuBLASLt epilogues (bias, GELU) in the
+            # GEMMs; cuBLAS for every GEMM instead of XLA's Triton GEMM fusions.
+            *(setting("unrolled", m, xla=flag) for flag in SWEEP_XLA_FLAGS),
+            # GPT-2's vocabulary: the output layer and fp32 logits a real vocabulary costs
+            setting("unrolled", m, vocab=sweep_vocab(a))]
 
 
 SWEEP_ITERS = 12
@@ -403,17 +410,7 @@ def moe_report(runs: dict[str, dict], flags: dict[str, list[str]]) -> list[str]:
 def ddp_overhead(a: argparse.Namespace, timeout: float) -> dict:
     """``bench/ddp_overhead.py`` in a subprocess (the GPT in bf16; smoke: its small GPT, one round)."""
     cmd = [sys.executable, str(ROOT / "bench" / "ddp_overhead.py"), "--bf16"]
-    cmd += ["--steps", "1", "--rounds", "1"] if a.smoke else ["--gpt-1b"]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        print(out.stdout[-2000:], out.stderr[-3000:], sep="\n")
-        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"error": f"exit {out.returncode}: {last[:300]}"}
+    return _run_json(cmd + (["--steps", "1", "--rounds", "1"] if a.smoke else ["--gpt-1b"]), timeout)
 
 
 def ddp_overhead_report(record: dict) -> list[str]:
@@ -445,7 +442,7 @@ def checkpoint_rows(smoke: bool, gpt: list[str] | None = None, out: Path | None 
     """The checkpoint step (run in a child process): ``bench/checkpoint.py --gpu --devices 1``'s
     rows; with ``gpt`` (model flags) that model's row alone, one round of 20 steps. With ``out``
     (the report) a trace of one more async save of the first model and its steps is kept next to
-    it (``<out>.checkpoint.xplane.pb`` when under 15 MB, its raw listing ``<out>.checkpoint.txt``)."""
+    it (:func:`_keep_trace`: ``<out>.checkpoint.xplane.pb``, ``<out>.checkpoint.trace.txt``)."""
     with tempfile.TemporaryDirectory() as tmp:
         argv = ["--gpu", "--devices", "1", "--out", os.path.join(tmp, "checkpoint.md")]
         if gpt is not None:
@@ -454,22 +451,23 @@ def checkpoint_rows(smoke: bool, gpt: list[str] | None = None, out: Path | None 
             argv += ["--trace-dir", os.path.join(tmp, "trace")]
         rows = _bench_checkpoint().main(argv + (["--quick"] if smoke and gpt is None else []))
         if out is not None:
-            _keep_trace(os.path.join(tmp, "trace"), Path(str(out) + ".checkpoint"))
+            try:
+                _keep_trace(os.path.join(tmp, "trace"), Path(str(out) + ".checkpoint"))
+            except Exception as err:  # the benchmark's figures stand without the trace
+                print(f"  trace not kept: {type(err).__name__}: {str(err)[:200]}")
         return rows
 
 
-def _keep_trace(directory: str, stem: Path) -> None:
-    """The trace under ``directory`` as ``<stem>.xplane.pb`` (when under 15 MB) and its raw
-    listing as ``<stem>.txt``; a missing or unreadable trace is reported, not raised."""
-    from core.training.profile_summary import _trace_file, describe_planes
+def _keep_trace(directory: str, stem: Path) -> str:
+    """Keep the trace under ``directory`` next to the report: ``<stem>.xplane.pb`` (when under
+    15 MB) and its raw listing ``<stem>.trace.txt``; returns the trace's path."""
+    from core.training.profile_summary import describe_planes, trace_file
 
-    try:
-        trace = _trace_file(directory)
-        if os.path.getsize(trace) < 15 * 2**20:
-            Path(str(stem) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
-        Path(str(stem) + ".txt").write_text(describe_planes(trace, top=12))
-    except Exception as err:  # the benchmark's figures stand without the trace
-        print(f"  trace not kept: {type(err).__name__}: {str(err)[:200]}")
+    trace = trace_file(directory)
+    if os.path.getsize(trace) < 15 * 2**20:
+        Path(str(stem) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
+    Path(str(stem) + ".trace.txt").write_text(describe_planes(trace, top=12))
+    return trace
 
 
 def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> list[str]:
@@ -529,10 +527,14 @@ def device_info() -> dict:
 
 def _child(part: str, a: argparse.Namespace, timeout: float = 900, out: Path | None = None) -> dict | list:
     """Run ``--part part`` of this script in a fresh process (``out``: the report, next to which
-    it may keep files); its last output line is JSON. A failed step gives ``{"error": ...}``
-    (the run goes on: a GPU lease has no time for reruns)."""
+    it may keep files): :func:`_run_json`."""
     cmd = [sys.executable, __file__, "--part", part] + (["--smoke"] if a.smoke else [])
-    cmd += ["--out", str(out)] if out is not None else []
+    return _run_json(cmd + (["--out", str(out)] if out is not None else []), timeout)
+
+
+def _run_json(cmd: list[str], timeout: float) -> dict | list:
+    """Run ``cmd`` (a script whose last output line is JSON) and return that JSON; a failed step
+    gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns)."""
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
     except subprocess.TimeoutExpired:
@@ -562,9 +564,7 @@ def main() -> None:
         print(json.dumps(checkpoint_rows(a.smoke, out=Path(a.out) if a.out else None)))
         return
     if a.part == "checkpoint-gpt":
-        shape = [f for f in gpt_flags(a)[:8]] + (["--micro-batch-size", "2", "--global-batch-size", "4"] if a.smoke
-                                                  else ["--micro-batch-size", "4", "--global-batch-size", "8"])
-        print(json.dumps(checkpoint_rows(a.smoke, [*shape, "--bf16"])))
+        print(json.dumps(checkpoint_rows(a.smoke, [*gpt_shape(a), *gpt_batch(a), "--bf16"])))
         return
     if a.part == "embedding":
         shape = (64, 32, (256, 1024)) if a.smoke else (8192, 2048, (256, 32768, 50304))
@@ -610,7 +610,7 @@ def main() -> None:
         runs = []
         with tempfile.TemporaryDirectory() as data_dir:
             prefix = os.path.join(data_dir, "ids")
-            write_token_ids(prefix, SMOKE_VOCAB if a.smoke else GPT2_VOCAB, 200_000 if a.smoke else 1_200_000)
+            write_token_ids(prefix, sweep_vocab(a), 200_000 if a.smoke else 1_200_000)
             for setting, sweep_flags, xla in sweep_settings(a, prefix)[a.sweep_skip:a.sweep_skip + a.sweep_settings]:
                 if skipped(f"sweep setting '{setting}'", 75):
                     break

@@ -644,8 +644,8 @@ class Pretrainer:
             jax.block_until_ready(pending[-2]["loss"])
         if not self._must_collect(stop):
             return pending, start
-        # Wait for the last step before reading the clock: the loss alone can be read back before
-        # its step has finished (its own buffer), and dispatch returns at once on a GPU.
+        # Wait for the last step (its loss and the updated state) before reading the clock:
+        # dispatch returns at once on a GPU, and collect's read-back waits only after the clock.
         jax.block_until_ready((pending[-1]["loss"], self.params, self.opt_state))
         done = self.collect(pending, time.perf_counter() - start)
         for record in done:

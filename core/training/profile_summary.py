@@ -73,7 +73,8 @@ def read_hlo(path: str) -> str:
         return f.read()
 
 
-def _trace_file(path: str) -> str:
+def trace_file(path: str) -> str:
+    """The ``*.xplane.pb`` at ``path``, or the newest one under the directory ``path``."""
     if os.path.isfile(path):
         return path
     files = sorted(glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
@@ -130,20 +131,22 @@ def summarize(path: str, steps: int = 1, top: int = 10, hlo_text: str | None = N
     source (the ``top`` largest)."""
     from jax.profiler import ProfileData
 
-    trace = _trace_file(path)
+    trace = trace_file(path)
     events, source = _device_events(ProfileData.from_file(trace))
     if not events:
         raise ValueError(f"{trace}: no device op events found")
     window = max(s + d for _, _, s, d in events) - min(s for _, _, s, _ in events)
     busy = _busy_ns(events)
     total = sum(d for *_, d in events)
-    per_cat: dict[str, float] = collections.defaultdict(float)
     per_op: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
     for name, hlo_op, _, duration in events:
-        per_cat[categorize(name, hlo_op)] += duration
         entry = per_op[(name, hlo_op)]
         entry[0] += 1
         entry[1] += duration
+    category = {op: categorize(*op) for op in per_op}
+    per_cat: dict[str, float] = collections.defaultdict(float)
+    for op, (_, t) in per_op.items():
+        per_cat[category[op]] += t
     ms = lambda ns: ns / 1e6 / steps
     ops = sorted(per_op.items(), key=lambda kv: -kv[1][1])[:top]
     sources = hlo_sources(hlo_text) if hlo_text else {}
@@ -152,12 +155,12 @@ def summarize(path: str, steps: int = 1, top: int = 10, hlo_text: str | None = N
                "busy_ms": ms(busy), "idle_share": 1 - busy / window if window else 0.0, "op_ms": ms(total),
                "categories": {c: {"ms": ms(per_cat[c]), "share": per_cat[c] / total}
                               for c in CATEGORIES if per_cat[c]},
-               "top": [{"name": n[:90], "hlo_op": h[:60], "category": categorize(n, h), "count": c // steps,
+               "top": [{"name": n[:90], "hlo_op": h[:60], "category": category[(n, h)], "count": c // steps,
                         "ms": ms(t), "share": t / total, "source": source_of_op(n, h)} for (n, h), (c, t) in ops]}
     if sources:
         per_source: dict[str, float] = collections.defaultdict(float)
         for (n, h), (_, t) in per_op.items():
-            per_source[source_of_op(n, h) or f"({categorize(n, h)}: no HLO name)"] += t
+            per_source[source_of_op(n, h) or f"({category[(n, h)]}: no HLO name)"] += t
         summary["sources"] = [{"source": k, "ms": ms(t), "share": t / total}
                               for k, t in sorted(per_source.items(), key=lambda kv: -kv[1])[:top]]
     return summary
@@ -187,7 +190,7 @@ def describe_planes(path: str, top: int = 5) -> str:
     from jax.profiler import ProfileData
 
     out = []
-    for plane in ProfileData.from_file(_trace_file(path)).planes:
+    for plane in ProfileData.from_file(trace_file(path)).planes:
         out.append(f"plane {plane.name}")
         for line in plane.lines:
             events = [(e.name, e.duration_ns, sorted(dict(e.stats))) for e in line.events]

@@ -15,9 +15,8 @@ class StepProfiler:
     (Megatron: ``--profile-step-start 10 --profile-step-end 12`` traces two steps)."""
 
     def __init__(self, args: argparse.Namespace, rank: int):
-        self.enabled = bool(getattr(args, "profile", False)) and rank in args.profile_ranks
-        self.start, self.end = getattr(args, "profile_step_start", 0), getattr(args, "profile_step_end", 0)
-        self.directory = getattr(args, "profile_dir", None) or "profile"
+        self.enabled = args.profile and rank in args.profile_ranks
+        self.start, self.end, self.directory = args.profile_step_start, args.profile_step_end, args.profile_dir
         self.active = False
 
     def before_step(self, iteration: int, in_flight: list) -> None:

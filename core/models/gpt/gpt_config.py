@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from core.transformer.moe.moe_config import MoEConfig
+from core.transformer.recompute import RECOMPUTE_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +216,7 @@ class GPTConfig:
             (not self.sequence_parallel or self.seq_length % (self.context_parallel_size * tp) == 0,
              f"seq_length {self.seq_length} is not divisible by context_parallel_size {self.context_parallel_size} x "
              f"tensor_model_parallel_size {tp} = {self.context_parallel_size * tp} (needed by --sequence-parallel)"),
-            (self.recompute_granularity in (None, "full", "selective"),
+            (self.recompute_granularity is None or self.recompute_granularity in RECOMPUTE_POLICIES,
              f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
         ]
         for ok, message in checks:
