@@ -14,14 +14,16 @@ and measures, side by side in one run:
   of ``--reps``;
 * **load**: ``Pretrainer.load`` into a fresh trainer of the same layout (restore into the
   shardings and re-cut the distributed optimizer's shards), median of ``--reps``;
-* **async stall**: ``--steps`` training steps with an ``--async-save`` save issued before them,
-  minus the same steps without a save (medians over ``--reps`` rounds, alternated), as a share of
-  one step: the time the training loop loses to a background save (the blocking part, which
+* **async stall**: ``--steps`` training steps with an async save issued before them, minus the
+  same steps without a save (medians over ``--reps`` rounds, alternated), as a share of one
+  step: the time the training loop loses to a background save (the blocking part, which
   dispatches the gather and an on-device copy, plus the slowdown of the steps that share the
-  cores, and the GIL, with the writer thread). The blocking part alone is reported too, and the
-  stall again with a 0.5 ms GIL switch interval (Python's default is 5 ms: the loop waits up to
-  that long each time it needs the GIL while the writer holds it). ``--trace-dir`` traces one more
-  async save of the first model and its steps.
+  cores with the writer). Measured side by side for the writer process (the default of
+  ``--async-save``) and the writer thread (``--async-save-writer thread``, which also shares the
+  GIL), the thread again with a 0.5 ms GIL switch interval (Python's default is 5 ms: the loop
+  waits up to that long each time it needs the GIL while the writer holds it). The blocking
+  part is reported too. ``--trace-dir`` traces one more async save (writer process) of the
+  first model and its steps.
 
 Prints a table and writes ``bench/results/checkpoint.md`` (``--out``).
 """
@@ -70,17 +72,17 @@ def _steps(trainer: Any, n: int) -> float:
     return time.perf_counter() - start
 
 
-def _async_stall(trainer: Any, directory: str, steps: int) -> tuple[float, float]:
-    """``(blocking, blocking + steps)`` seconds of an async save into ``directory`` followed by
-    ``steps`` training steps (the save is waited for afterwards, untimed)."""
-    trainer.args.async_save = True
-    trainer.finish_saving()
+def _async_stall(trainer: Any, saver: Any, steps: int) -> tuple[float, float]:
+    """``(blocking, blocking + steps)`` seconds of an async save of ``trainer`` by ``saver`` (a
+    ``CheckpointSaver``) followed by ``steps`` training steps (the save is waited for
+    afterwards, untimed)."""
+    saver.wait()
     start = time.perf_counter()
-    trainer.save(directory)
+    state, meta = trainer.checkpoint_state()
+    saver.save(trainer.iteration, state, meta)
     blocking = time.perf_counter() - start
     total = blocking + _steps(trainer, steps)
-    trainer.finish_saving()
-    trainer.args.async_save = False
+    saver.wait()
     return blocking, total
 
 
@@ -91,19 +93,25 @@ waiting for the GIL waits up to the interval for the holder (here the writer) to
 
 def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir: str,
             trace_dir: str | None = None) -> dict[str, Any]:
-    """One model's row (see the module docstring); with ``trace_dir`` one more async save and
-    its steps are traced there (``jax.profiler``) after the timed rounds."""
+    """One model's row (see the module docstring); with ``trace_dir`` one more async save (the
+    writer process) and its steps are traced there (``jax.profiler``) after the timed rounds."""
     import jax
 
-    trainer = _trainer(model_flags, devices, ["--async-save"])
+    from core.checkpointing import CheckpointSaver
+
+    trainer = _trainer(model_flags, devices, [])
     _steps(trainer, 2)  # compile
     params = sum(x.size for x in jax.tree.leaves(trainer.params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
         x.nbytes for x in jax.tree.leaves(trainer.ddp.optimizer_state_to_global(trainer.opt_state)))
-    sync_dir, async_dir = os.path.join(workdir, "sync"), os.path.join(workdir, "async")
-    trainer.args.async_save = False
+    sync_dir = os.path.join(workdir, "sync")
     trainer.save(sync_dir)  # compiles the gather program
-    saves, loads, stalls, blocking, plain, fast = [], [], [], [], [], []
+    savers = {w: CheckpointSaver(os.path.join(workdir, w), async_save=True, writer=w) for w in ("process", "thread")}
+    for saver in savers.values():  # starts the writer process (its first save waits for it)
+        _async_stall(trainer, saver, 1)
+    saves, loads, plain = [], [], []
+    stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": []}
+    blocking: dict[str, list[float]] = {"process": [], "thread": []}
     loader = _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
@@ -115,41 +123,48 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
         loader.load(sync_dir)
         jax.block_until_ready(loader.opt_state)
         loads.append(time.perf_counter() - start)
-        # Alternate: steps alone, then an async save followed by the same number of steps, then
-        # the same with a short GIL switch interval.
+        # Alternate: steps alone, then an async save followed by the same number of steps, by
+        # the writer process, by the writer thread, and by the thread with a short GIL switch interval.
         plain.append(_steps(trainer, steps))
-        block, total = _async_stall(trainer, async_dir, steps)
-        blocking.append(block)
-        stalls.append(total)
+        for writer in ("process", "thread"):
+            block, total = _async_stall(trainer, savers[writer], steps)
+            blocking[writer].append(block)
+            stalls[writer].append(total)
         default_interval = sys.getswitchinterval()
         sys.setswitchinterval(FAST_SWITCH_S)
         try:
-            fast.append(_async_stall(trainer, async_dir, steps)[1])
+            stalls["fast"].append(_async_stall(trainer, savers["thread"], steps)[1])
         finally:
             sys.setswitchinterval(default_interval)
     if trace_dir is not None:
         import jax.profiler
 
         with jax.profiler.trace(trace_dir):
-            _async_stall(trainer, async_dir, steps)
+            _async_stall(trainer, savers["process"], steps)
+    for saver in savers.values():
+        saver.close()
     step = statistics.median(plain) / steps
+    share = lambda totals: (statistics.median(totals) - statistics.median(plain)) / step
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
     return {"model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
             "disk_mib": size / MIB, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
-            "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking) * 1e3,
-            "stall_share": (statistics.median(stalls) - statistics.median(plain)) / step,
-            "stall_share_fast_switch": (statistics.median(fast) - statistics.median(plain)) / step}
+            "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking["process"]) * 1e3,
+            "blocking_ms_thread": statistics.median(blocking["thread"]) * 1e3,
+            "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
+            "stall_share_thread_fast_switch": share(stalls["fast"])}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`measure`'s rows."""
-    lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking | "
-             "async stall / step | same, GIL switch 0.5 ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking "
+             "(process / thread) | async stall / step: writer process | writer thread | thread, GIL switch 0.5 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['state_mib']:.1f} MiB | {r['disk_mib']:.1f} MiB "
-                     f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms | {r['blocking_ms']:.0f} ms "
-                     f"| {r['stall_share']:.0%} | {r['stall_share_fast_switch']:.0%} |")
+                     f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms "
+                     f"| {r['blocking_ms']:.0f} / {r['blocking_ms_thread']:.0f} ms | {r['stall_share']:.0%} "
+                     f"| {r['stall_share_thread']:.0%} | {r['stall_share_thread_fast_switch']:.0%} |")
     return "\n".join(lines)
 
 

@@ -478,10 +478,11 @@ def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> 
              "the default model):", ""]
     if "error" in rows:
         return lines + [f"failed: {rows['error']}", ""]
-    stall = rows[0]["stall_share"]
+    stall, thread = rows[0]["stall_share"], rows[0]["stall_share_thread"]
     verdict = "met" if stall <= STALL_TARGET else "NOT met"
     return lines + [_bench_checkpoint().table(rows), "",
-                    f"Async-save stall, {label}: **{stall:.0%}** of a step ({verdict})", ""]
+                    f"Async-save stall, {label}: **{stall:.0%}** of a step with the writer process ({verdict}); "
+                    f"{thread:.0%} with the writer thread", ""]
 
 
 def report(info: dict, tests: dict | None, attention: dict | None, attention_shape, gpt: dict | None,

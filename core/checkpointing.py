@@ -46,6 +46,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from core import checkpoint_writer
+
 __all__ = ["CheckpointSaver", "complete_steps", "latest_step", "latest_valid_step", "load_metadata",
            "restore_checkpoint", "save_checkpoint", "verify_checkpoint", "why_nothing_to_load"]
 
@@ -57,6 +59,8 @@ META_ITEM = "meta"
 # stores, into the final dir as the very last write).
 COMMIT_MARKER = "commit_success.txt"
 DEFAULT_MAX_TO_KEEP = 2
+ASYNC_WRITERS = ("process", "thread")
+"""What may write an asynchronous save (:class:`CheckpointSaver`'s ``writer``)."""
 # Size and CRC-32 of every file of a step, written by process 0 right before the commit marker.
 INTEGRITY_FILE = "integrity.json"
 
@@ -430,15 +434,22 @@ class CheckpointSaver:
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = DEFAULT_MAX_TO_KEEP,
-                 async_save: bool = False):
+                 async_save: bool = False, writer: str | None = None):
         self.directory = os.path.abspath(directory)
         """Where the step directories go."""
         self.max_to_keep = max_to_keep
         """Newest checkpoints kept (None keeps all)."""
         self.async_save = async_save
         """Write in the background (:meth:`save` returns after dispatching an on-device copy)."""
+        if writer not in (None, *ASYNC_WRITERS):
+            raise ValueError(f"writer must be one of {ASYNC_WRITERS}, not {writer!r}")
+        self.writer = writer or ("process" if checkpoint_writer.available() else "thread")
+        """What writes an asynchronous save: ``"process"`` (a writer process per training
+        process, :mod:`core.checkpoint_writer`; the default on Linux) or ``"thread"`` (a thread
+        of the training process, which shares its GIL)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._process: checkpoint_writer.WriterProcess | None = None
 
     def save(self, step: int, state: Any, metadata: dict) -> None:
         """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and
@@ -458,14 +469,21 @@ class CheckpointSaver:
         if not self.async_save:
             _write_step(self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
             return
+        write = _write_step
+        if self.writer == "process":
+            if self._process is None:  # started here, on the caller's (main) thread: see WriterProcess
+                address = _from_process_0("writer_address", checkpoint_writer.coordinator_address) \
+                    if jax.process_count() > 1 else None
+                self._process = checkpoint_writer.WriterProcess(address, jax.default_backend() == "cpu")
+            write = self._process.write
         self._thread = threading.Thread(target=self._write_in_background, name=f"checkpoint-save-{step}",
-                                        args=(step, snapshot, metadata, save_id), daemon=True)
+                                        args=(write, step, snapshot, metadata, save_id), daemon=True)
         self._thread.start()
 
-    def _write_in_background(self, step: int, state: Any, metadata: dict, save_id: int) -> None:
+    def _write_in_background(self, write: Callable, step: int, state: Any, metadata: dict, save_id: int) -> None:
         _lower_thread_priority_on_cpu()
         try:
-            _write_step(self.directory, step, state, metadata, self.max_to_keep, save_id)
+            write(self.directory, step, state, metadata, self.max_to_keep, save_id)
         except BaseException as e:  # raised on the main thread by wait()
             self._error = e
 
@@ -479,13 +497,22 @@ class CheckpointSaver:
         self._thread, error, self._error = None, self._error, None
         if error is None:
             return
+        if self._process is not None and not self._process.alive:  # the next save starts a new one
+            self._process.close()
+            self._process = None
         if isinstance(error, (OSError, ValueError)):
             raise error
         raise OSError(f"{type(error).__name__}: {error}") from error
 
     def close(self) -> None:
-        """Wait for the save in flight (raising its error, if any)."""
-        self.wait()
+        """Wait for the save in flight (raising its error, if any), then stop the writer
+        process, if one was started (collective)."""
+        try:
+            self.wait()
+        finally:
+            if self._process is not None:
+                self._process.close()
+                self._process = None
 
 
 def save_checkpoint(

@@ -14,9 +14,10 @@ _spec.loader.exec_module(bench_checkpoint)
 def test_checkpoint_row_is_sane(tmp_path):
     row = bench_checkpoint.measure(bench_checkpoint.QUICK_MODELS[0], 2, steps=2, reps=1, workdir=str(tmp_path / "w"),
                                    trace_dir=str(tmp_path / "trace"))
-    for key in ("params", "state_mib", "disk_mib", "save_s", "load_s", "step_ms", "blocking_ms"):
+    for key in ("params", "state_mib", "disk_mib", "save_s", "load_s", "step_ms", "blocking_ms", "blocking_ms_thread"):
         assert math.isfinite(row[key]) and row[key] > 0, key
-    assert math.isfinite(row["stall_share"]) and math.isfinite(row["stall_share_fast_switch"])
+    for key in ("stall_share", "stall_share_thread", "stall_share_thread_fast_switch"):
+        assert math.isfinite(row[key]), key
     assert len(list((tmp_path / "trace").rglob("*.xplane.pb"))) == 1  # the traced extra save
     assert 0.5 * row["state_mib"] < row["disk_mib"] < 2 * row["state_mib"]  # params + Adam moments, compressed
     assert f"| {row['params'] / 1e6:.2f}M |" in bench_checkpoint.table([row])

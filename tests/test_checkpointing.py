@@ -301,7 +301,8 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_used(ckdir, how):
 
 
 # ---------------------------------------------------------------------------------------
-# Asynchronous saves: the background writer
+# Asynchronous saves: the background thread (writer="thread"; the writer process's tests are
+# in test_checkpoint_writer.py)
 
 
 def test_async_save_survives_donation_of_the_saved_arrays(ckdir):
@@ -309,7 +310,7 @@ def test_async_save_survives_donation_of_the_saved_arrays(ckdir):
     the saved arrays right away, and the checkpoint still holds the values of the save."""
     values, shardings = _values(3), _shardings_saved()
     state = _put(values, shardings)
-    saver = CheckpointSaver(ckdir, async_save=True)
+    saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     saver.save(3, state, {**META, "iteration": 3})
     donate = jax.jit(lambda t: jax.tree.map(lambda x: x * 0 - 1, t), donate_argnums=0)
     jax.block_until_ready(donate(state["params"]))
@@ -332,7 +333,7 @@ class _FailingHandler(ocp.StandardCheckpointHandler):
                                             (RuntimeError("tensorstore broke"), "RuntimeError: tensorstore broke")])
 def test_async_write_error_is_raised_by_the_next_save_and_nothing_is_committed(ckdir, monkeypatch, error, expected):
     _save(ckdir, 1)
-    saver = CheckpointSaver(ckdir, async_save=True)
+    saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     monkeypatch.setattr(_FailingHandler, "error", error)
     monkeypatch.setattr(checkpointing.ocp, "StandardCheckpointHandler", _FailingHandler)
     saver.save(2, _put(_values(2), _shardings_saved()), {"iteration": 2})  # returns: the write is in the background
@@ -357,7 +358,7 @@ def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
         active.remove(args[1])
 
     monkeypatch.setattr(checkpointing, "_write_step", slow_write)
-    saver = CheckpointSaver(ckdir, max_to_keep=None, async_save=True)
+    saver = CheckpointSaver(ckdir, max_to_keep=None, async_save=True, writer="thread")
     for step in (1, 2, 3):
         saver.save(step, _put(_values(step), _shardings_saved()), {"iteration": step})
         assert complete_steps(ckdir) == list(range(1, step))  # this one is still being written
@@ -377,7 +378,7 @@ def test_background_writer_runs_at_the_lowest_priority_on_cpu(ckdir, monkeypatch
 
     monkeypatch.setattr(checkpointing, "_write_step", recording_write)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    saver = CheckpointSaver(ckdir, async_save=True)
+    saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     saver.save(1, _put(_values(1), _shardings_saved()), {"iteration": 1})
     saver.close()
     assert seen == [max(before, checkpointing.WRITER_NICE)]

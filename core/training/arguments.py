@@ -177,7 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spiky-loss-factor", type=float, default=10.0,
                    help="multiple of the recent maximum loss that counts as spiky (Megatron's 10)")
     g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background while training goes on (orbax async checkpointing)")
+                   help="write checkpoints in the background while training goes on (by a writer process per "
+                        "training process, as Megatron's persistent checkpoint worker; see --async-save-writer)")
+    g.add_argument("--async-save-writer", choices=["process", "thread"], default=None,
+                   help="what writes an --async-save checkpoint: a writer process (the default on Linux; it "
+                        "shares no GIL with the training loop) or a thread of the training process")
     g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=4, help="validation batches per evaluation")
     g.add_argument("--log-interval", type=int, default=10)

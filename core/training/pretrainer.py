@@ -489,16 +489,12 @@ class Pretrainer:
                 "use_distributed_optimizer": bool(self.args.use_distributed_optimizer),
                 "num_devices": int(self.state.mesh.devices.size)}
 
-    def save(self, directory: str) -> None:
-        """Checkpoint params, optimizer state, the MoE expert biases (with
-        ``--moe-router-enable-expert-bias``), data position, seed and iteration (atomic). The
-        optimizer state is stored in the layout-independent form
-        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`). With
-        ``--async-save`` this returns once an on-device copy of the values is dispatched (the
-        previous save, if still in flight, is waited for first, and its error raised); a
-        background thread writes and commits; :meth:`finish_saving` waits for the last one.
-        Raises :class:`TrainingError` when the directory cannot be written (earlier checkpoints
-        stay intact)."""
+    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(state, metadata)`` as a checkpoint stores them: params, the optimizer state in the
+        layout-independent form
+        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`) and the
+        MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
+        data position, seed, layout and model shape."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
                 "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
                 "optimizer_format": OPTIMIZER_FORMAT}
@@ -506,9 +502,22 @@ class Pretrainer:
         state = map_layer_leaves(to_layer_order, state, self.ddp.param_paths)  # vpp-independent
         if self.moe_state is not None:  # stacked per MoE layer like the layers: the same layer order
             state["moe_state"] = jax.tree.map(to_layer_order, self.moe_state)
-        if self._saver is None or self._saver.directory != os.path.abspath(directory):
+        return state, meta
+
+    def save(self, directory: str) -> None:
+        """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
+        this returns once an on-device copy of the values is dispatched (the previous save, if
+        still in flight, is waited for first, and its error raised); the writer process (or
+        thread, ``--async-save-writer``) writes and commits; :meth:`finish_saving` waits for the
+        last one. Raises :class:`TrainingError` when the directory cannot be written (earlier
+        checkpoints stay intact)."""
+        state, meta = self.checkpoint_state()
+        writer = self.args.async_save_writer
+        if self._saver is None or self._saver.directory != os.path.abspath(directory) or (
+                writer is not None and self._saver.writer != writer):
             self.finish_saving()
-            self._saver = checkpointing.CheckpointSaver(directory, async_save=bool(self.args.async_save))
+            self._saver = checkpointing.CheckpointSaver(directory, writer=writer)
+        self._saver.async_save = bool(self.args.async_save)
         try:
             self._saver.save(self.iteration, state, meta)
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
@@ -516,15 +525,18 @@ class Pretrainer:
             raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
                                 "the earlier checkpoints are intact") from None
 
-    def finish_saving(self) -> None:
-        """Wait for an asynchronous save in flight to be committed (a no-op otherwise)."""
+    def finish_saving(self, close: bool = True) -> None:
+        """Wait for an asynchronous save in flight to be committed (a no-op otherwise); with
+        ``close``, also stop the checkpoint writer process (a later save starts a new one)."""
         if self._saver is not None:
             try:
-                self._saver.close()
+                self._saver.close() if close else self._saver.wait()
             except (OSError, ValueError) as e:
-                raise TrainingError(f"cannot write checkpoint to {self._saver.directory}: {_write_error(e)}; "
+                directory = self._saver.directory
+                self._saver = None
+                raise TrainingError(f"cannot write checkpoint to {directory}: {_write_error(e)}; "
                                     "the earlier checkpoints are intact") from None
-            finally:
+            if close:
                 self._saver = None
 
     def load(self, directory: str, load_optimizer: bool = True) -> bool:

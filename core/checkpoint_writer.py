@@ -1,0 +1,407 @@
+"""The writer process of ``--async-save``: Megatron's persistent checkpoint worker, in JAX.
+
+Why a process: a background *thread* shares the training process's GIL. Orbax's save is mostly
+Python (asyncio, per-array handlers), and each time the training loop needs the GIL back to
+dispatch a step it may wait up to Python's switch interval (5 ms) for the writer to drop it.
+A dispatch-bound loop then loses tens of ms per save (about 30 ms on an H100 at the default
+model, 12 steps). A separate process shares no GIL, no XLA client and no thread pools with the
+loop; on the CPU backend it also runs at the lowest priority as a whole.
+
+How: each training process starts one writer (:class:`WriterProcess`) at its first
+asynchronous save. The writers form their own ``jax.distributed`` job on the CPU: training
+process ``i``'s writer is process ``i`` there, with as many CPU devices as process ``i``
+drives. So every global array of the training state has a twin in the writers' job: the same
+global shape and sharding, each device's shard held by the writer of the process that holds
+it. A save copies the process's shards (one per distinct index) into a shared-memory buffer
+(``memfd``, mapped by both processes; the copies run outside the GIL) and sends the pytree,
+its arrays replaced by their descriptions, through a socket. The writer wraps the buffer's
+shards as CPU arrays of its twin devices and runs :func:`core.checkpointing._write_step`, the
+same sequence (shards, barriers, commit marker, integrity record, retention) a synchronous
+save runs, so the files are identical. The training process's background thread then only
+waits for the answer (outside the GIL).
+
+The writer dies with its training process (``PR_SET_PDEATHSIG`` and end-of-file on the
+socket), so a killed rank leaves no orphan; an error in the writer is sent back and raised by
+the next save; a writer that died is reported as ``OSError`` naming its exit status.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+WRITER_NICE = 19
+"""The writer process's nice value on the CPU backend (Linux): it takes the cycles the steps leave."""
+
+ALIGNMENT = 64
+"""Byte alignment of each shard in the shared buffer (so the writer's CPU arrays may alias it)."""
+
+_HEADER = struct.Struct("!Q")  # the byte length of the pickled message that follows
+
+
+def available() -> bool:
+    """Whether this platform supports the writer process (Linux: ``memfd`` and fd passing)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and sys.platform.startswith("linux")
+
+
+# ---------------------------------------------------------------------------------------
+# Messages: a pickled object after its length, optionally with file descriptors
+# ---------------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(data))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+    else:
+        sock.sendall(header)
+    sock.sendall(data)
+
+
+def _recv_exactly(sock: socket.socket, n: int, start: bytes = b"") -> bytes:
+    chunks, have = [start], len(start)
+    while have < n:
+        chunk = sock.recv(n - have)
+        if not chunk:
+            raise EOFError("the other end closed the socket")
+        chunks.append(chunk)
+        have += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, 4)
+    if not header:
+        raise EOFError("the other end closed the socket")
+    (length,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size, header))
+    return pickle.loads(_recv_exactly(sock, length)), fds
+
+
+# ---------------------------------------------------------------------------------------
+# Describing the state: devices as (process, ordinal), arrays as shards in the buffer
+# ---------------------------------------------------------------------------------------
+
+
+def _device_ordinals(devices: list) -> dict[Any, tuple[int, int]]:
+    """Each device as ``(process index, position among that process's devices by id)``: the
+    name its twin has in the writers' job."""
+    ordinals = {}
+    for process in sorted({d.process_index for d in devices}):
+        for i, d in enumerate(sorted((d for d in devices if d.process_index == process), key=lambda d: d.id)):
+            ordinals[d] = (process, i)
+    return ordinals
+
+
+@dataclass(frozen=True)
+class _ShardedArray:
+    """A ``jax.Array`` leaf as sent to the writer: where its local shards lie in the buffer."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: tuple
+    """``("named", device grid shape, (process, ordinal) per grid cell, axis names, spec)`` or
+    ``("single", (process, ordinal))``."""
+    shards: tuple[tuple[tuple[int, int], tuple[int, ...], int], ...]
+    """Per local device: its (process, ordinal), the shard's shape, its byte offset in the buffer."""
+
+
+def _describe_sharding(sharding: Any, ordinals: dict) -> tuple:
+    from jax.sharding import NamedSharding, SingleDeviceSharding
+
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        return ("named", mesh.devices.shape, tuple(ordinals[d] for d in mesh.devices.flat), mesh.axis_names,
+                sharding.spec)
+    if isinstance(sharding, SingleDeviceSharding):
+        return ("single", ordinals[next(iter(sharding.device_set))])
+    raise TypeError(f"the checkpoint writer process handles NamedSharding and SingleDeviceSharding arrays, "
+                    f"not {type(sharding).__name__}")
+
+
+def _plan(state: Any, ordinals: dict) -> tuple[Any, list[tuple[Any, int]], int]:
+    """``(tree, copies, size)``: ``state`` with each ``jax.Array`` replaced by a
+    :class:`_ShardedArray`; the (single-device source array, byte offset) of each distinct local
+    shard; the buffer size they need."""
+    import jax
+
+    copies, size = [], 0
+
+    def describe(leaf: Any) -> Any:
+        nonlocal size
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        offsets: dict[tuple, int] = {}
+        shards = []
+        for shard in leaf.addressable_shards:
+            key = tuple((s.start, s.stop, s.step) for s in shard.index)
+            if key not in offsets:  # replicas on this process's devices share one copy
+                offsets[key] = size
+                copies.append((shard.data, size))
+                size += -(-shard.data.nbytes // ALIGNMENT) * ALIGNMENT
+            shards.append((ordinals[shard.device], tuple(shard.data.shape), offsets[key]))
+        return _ShardedArray(tuple(leaf.shape), str(leaf.dtype), _describe_sharding(leaf.sharding, ordinals),
+                             tuple(shards))
+
+    return jax.tree.map(describe, state), copies, size
+
+
+# ---------------------------------------------------------------------------------------
+# The training process's side
+# ---------------------------------------------------------------------------------------
+
+
+def coordinator_address() -> str:
+    """``host:port`` for the writers' job (process 0 proposes it): this host (or
+    ``JAX_COORDINATOR_IP``) and a free port, never the training job's own."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"{os.environ.get('JAX_COORDINATOR_IP') or socket.gethostname()}:{port}"
+
+
+class WriterProcess:
+    """A training process's checkpoint writer process (see the module docstring).
+
+    Collective: every process creates it at the same point (its writers' job needs one
+    coordinator address, chosen by process 0). Create it on the main thread: the writer is
+    killed when the thread that started it ends (``PR_SET_PDEATHSIG``).
+    """
+
+    def __init__(self, coordinator_address: str | None, lowest_priority: bool):
+        import jax
+
+        import core
+
+        self._devices = _device_ordinals(jax.devices())
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the parent's tuning is not the writer's
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(jax.local_device_count()),
+                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(core.__file__)),
+                                                            os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "core.checkpoint_writer", str(child.fileno()), coordinator_address or "",
+                   str(jax.process_count()), str(jax.process_index()), "1" if lowest_priority else "0"]
+        self._process = subprocess.Popen(command, pass_fds=[child.fileno()], env=env)
+        child.close()
+        self._sock = parent
+        self._ready = False
+        self._buffer: mmap.mmap | None = None
+        self.startup_s: float | None = None
+        """Seconds the writer took to start (import JAX, join its job), once it has."""
+
+    @property
+    def pid(self) -> int:
+        """The writer's process id."""
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        """Whether the writer process is still running."""
+        return self._process.poll() is None
+
+    def _ended(self, cause: BaseException) -> OSError:
+        """The error for a writer that is gone (its exit status once it is reaped)."""
+        try:
+            code = self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            return OSError(f"the checkpoint writer process {self.pid} stopped answering ({cause})")
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        return OSError(f"the checkpoint writer process {self.pid} ended ({how})")
+
+    def _send(self, message: Any, fds: tuple[int, ...] = ()) -> None:
+        try:
+            _send(self._sock, message, fds)
+        except OSError as e:  # a broken pipe: the writer is gone
+            raise self._ended(e) from e
+
+    def _receive(self) -> Any:
+        try:
+            return _recv(self._sock)[0]
+        except (EOFError, OSError) as e:
+            raise self._ended(e) from e
+
+    def _ensure_buffer(self, size: int) -> None:
+        if self._buffer is not None and len(self._buffer) >= size:
+            return
+        size = max(-(-size // (1 << 21)) * (1 << 21), 1 << 21)  # whole 2 MiB pages
+        fd = os.memfd_create("megatron-core-jax-checkpoint", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            buffer = mmap.mmap(fd, size)
+            self._send(("buffer", size), (fd,))
+        finally:
+            os.close(fd)
+        if self._buffer is not None:
+            self._buffer.close()
+        self._buffer = buffer
+
+    def write(self, directory: str, step: int, state: Any, metadata: dict, max_to_keep: int | None,
+              save_id: int) -> None:
+        """Copy ``state``'s local shards to the writer and have it write and commit ``step``
+        (collective; the caller's background thread). Raises the writer's error."""
+        if not self._ready:
+            self.startup_s = self._receive()[1]
+            self._ready = True
+        tree, copies, size = _plan(state, self._devices)
+        self._ensure_buffer(size)
+        for source, _ in copies:
+            source.copy_to_host_async()  # all transfers in flight before the first wait
+        buffer = np.frombuffer(self._buffer, dtype=np.uint8)
+        for source, offset in copies:
+            host = np.asarray(source)  # waits for this transfer (outside the GIL)
+            buffer[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
+        del buffer  # no export of the mapping left: a later, larger buffer may replace it
+        self._send(("save", directory, step, tree, metadata, max_to_keep, save_id))
+        answer = self._receive()
+        if answer[0] == "error":
+            _, kind, message = answer
+            raise (ValueError if kind == "ValueError" else OSError)(
+                message if kind in ("OSError", "ValueError") else f"{kind}: {message}")
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop the writer (collective: the writers leave their job together); kill it if it
+        does not answer within ``timeout_s``."""
+        try:
+            if self._process.poll() is None:
+                self._sock.settimeout(timeout_s)
+                self._send(("exit",))
+                self._receive()
+            self._process.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        finally:
+            self._sock.close()
+            if self._buffer is not None:
+                self._buffer.close()
+                self._buffer = None
+
+
+# ---------------------------------------------------------------------------------------
+# The writer's side
+# ---------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the process that started it ends."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent ended before the prctl took effect
+        os._exit(1)
+
+
+class _Writer:
+    """The writer's state: its twin devices, the shared buffer, the meshes built so far."""
+
+    def __init__(self):
+        import jax
+
+        self.devices = {ordinal: d for d, ordinal in _device_ordinals(jax.devices()).items()}
+        self.buffer: mmap.mmap | None = None
+        self._meshes: dict[tuple, Any] = {}
+
+    def _sharding(self, description: tuple) -> Any:
+        from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+        if description[0] == "single":
+            return SingleDeviceSharding(self.devices[description[1]])
+        _, shape, grid, axis_names, spec = description
+        key = (shape, grid, axis_names)
+        if key not in self._meshes:
+            devices = np.empty(len(grid), dtype=object)
+            devices[:] = [self.devices[g] for g in grid]
+            self._meshes[key] = Mesh(devices.reshape(shape), axis_names)
+        return NamedSharding(self._meshes[key], spec)
+
+    def array(self, leaf: _ShardedArray) -> Any:
+        """The twin of a training process's array: its shards read from the buffer."""
+        import jax
+        import jax.numpy as jnp
+
+        dtype = jnp.dtype(leaf.dtype)
+        shards = [jax.device_put(np.ndarray(shape, dtype, buffer=self.buffer, offset=offset), self.devices[device])
+                  for device, shape, offset in leaf.shards]
+        return jax.make_array_from_single_device_arrays(leaf.shape, self._sharding(leaf.sharding), shards)
+
+    def save(self, directory: str, step: int, tree: Any, metadata: dict, max_to_keep: int | None,
+             save_id: int) -> None:
+        import jax
+
+        from core.checkpointing import _write_step
+
+        state = jax.tree.map(lambda x: self.array(x) if isinstance(x, _ShardedArray) else x, tree)
+        _write_step(directory, step, state, metadata, max_to_keep, save_id)
+
+    def set_buffer(self, fd: int, size: int) -> None:
+        if self.buffer is not None:
+            try:
+                self.buffer.close()
+            except BufferError:  # an array still aliases it: let the garbage collector close it
+                pass
+        self.buffer = mmap.mmap(fd, size)
+        os.close(fd)
+
+
+def _serve(sock: socket.socket, processes: int) -> None:
+    import jax
+
+    writer = _Writer()
+    while True:
+        try:
+            message, fds = _recv(sock)
+        except (EOFError, ConnectionError):  # the training process ended: nothing left to write
+            os._exit(0)
+        if message[0] == "buffer":
+            writer.set_buffer(fds[0], message[1])
+        elif message[0] == "save":
+            try:
+                writer.save(*message[1:])
+                answer: tuple = ("done",)
+            except BaseException as e:  # sent back, raised by the training process
+                answer = ("error", type(e).__name__, str(e))
+            _send(sock, answer)
+        elif message[0] == "exit":
+            if processes > 1:
+                jax.distributed.shutdown()  # together, so no writer loses the coordinator early
+            _send(sock, ("bye",))
+            os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    """The writer process: ``python -m core.checkpoint_writer FD ADDRESS PROCESSES INDEX NICE``."""
+    start = time.perf_counter()
+    _die_with_parent()
+    fd, address, processes, index, lowest = int(argv[0]), argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
+    if lowest:
+        os.nice(WRITER_NICE)
+    import jax
+
+    if processes > 1:
+        jax.distributed.initialize(address, processes, index, cluster_detection_method="deactivate",
+                                   initialization_timeout=300)
+    jax.devices()
+    sock = socket.socket(fileno=fd)
+    _send(sock, ("ready", time.perf_counter() - start))
+    _serve(sock, processes)
+
+
+if __name__ == "__main__":  # run as this module's import, so unpickled messages name the same classes
+    from core.checkpoint_writer import main as _main
+
+    _main(sys.argv[1:])
