@@ -15,7 +15,7 @@ and measures, side by side in one run:
 * **load**: ``Pretrainer.load`` into a fresh trainer of the same layout (restore into the
   shardings and re-cut the distributed optimizer's shards), median of ``--reps``;
 * **async stall**: ``--steps`` training steps with an async save issued before them, minus the
-  same steps without a save (medians over ``--reps`` rounds, alternated), as a share of one
+  same steps without a save in the same round (median over ``--reps`` alternated rounds), as a share of one
   step: the time the training loop loses to a background save (the blocking part, which
   dispatches the gather and an on-device copy, plus the slowdown of the steps that share the
   cores with the writer). Measured side by side for the writer process (the default of
@@ -57,6 +57,17 @@ def _trainer(model_flags: list[str], devices: int, extra: list[str]) -> Any:
                        "--no-progress-bar", *extra])
     layout = validate_args(args, devices)
     return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:devices]))
+
+
+def _one_core_pool() -> None:
+    """Start JAX's CPU backend with a one-core affinity mask (XLA sizes its pool from it), then
+    give the process its cores back: the steps use about one core, the writer the others."""
+    import jax
+
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    jax.devices()
+    os.sched_setaffinity(0, cores)
 
 
 def _disk_bytes(directory: str) -> int:
@@ -144,7 +155,8 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     for saver in savers.values():
         saver.close()
     step = statistics.median(plain) / steps
-    share = lambda totals: (statistics.median(totals) - statistics.median(plain)) / step
+    # Each round's save-and-steps minus the same round's plain steps: drift between rounds cancels.
+    share = lambda totals: statistics.median(t - p for t, p in zip(totals, plain)) / step
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
     return {"model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
@@ -187,11 +199,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "steps there (jax.profiler; python -m core.training.profile_summary DIR --raw)")
     p.add_argument("--model-flags", default=None, help="measure this one model instead (launch/pretrain.py flags, "
                    "e.g. bench/gpu.py's GPT)")
+    p.add_argument("--free-cores", action="store_true", help="CPU: size XLA's thread pool to one core, so the "
+                   "steps leave the other cores free for the writer, as on a GPU host (Linux)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
     a = p.parse_args(argv)
     if not a.gpu:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(a.devices))
+    if a.free_cores:
+        _one_core_pool()
     models, reps, steps = (QUICK_MODELS, 1, 2) if a.quick else (MODELS, a.reps, a.steps)
     if a.model_flags is not None:
         models = [a.model_flags.split()]
@@ -202,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = table(rows)
     print(text)
-    if not a.quick and a.model_flags is None:
+    if not a.quick and a.model_flags is None and not a.free_cores:
         Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 

@@ -35,19 +35,27 @@ def _run(n, flags, timeout=600):
     return subprocess.run(_mpirun(n) + flags, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
 
 
-def _kill_session(sid):
-    """SIGKILL every process of session ``sid`` (mpirun and the ranks it forked, which it puts in
-    their own process groups, so ``killpg`` alone would leave them running)."""
+def _session_pids(sid):
+    """The live (not zombie) processes of session ``sid``."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid:  # field 6 of /proc/PID/stat: the session id
-            try:
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):  # fields 3 and 6 of /proc/PID/stat: state, session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _kill_session(sid):
+    """SIGKILL every process of session ``sid`` (mpirun and the ranks it forked, which it puts in
+    their own process groups, so ``killpg`` alone would leave them running)."""
+    for pid in _session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _losses(path):
@@ -132,7 +140,8 @@ def uninterrupted(tmp_path_factory):
 def test_killed_rank_stops_the_job_and_the_run_resumes_with_identical_losses(tmp_path, uninterrupted, trial):
     """SIGKILL one rank of an --async-save run (trial 0: rank 3 right after the first checkpoint;
     others: a random rank, after a random checkpoint plus up to 2 s, so some land mid-step or
-    mid-save): the other ranks are gone within 60 s with a message naming the dead one, no step
+    mid-save): the other ranks are gone within 60 s with a message naming the dead one, the
+    checkpoint writer processes within 10 s more (none outlives its rank), no step
     directory is left half-written, and --load continues the uninterrupted curve bit for bit."""
     rng = random.Random(trial)
     after_step, delay, victim = (3, 0.0, 3) if trial == 0 else (rng.choice((3, 6)), rng.uniform(0, 2), rng.randrange(4))
@@ -153,9 +162,14 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_with_identical_losses(tmp
         os.kill(ranks[victim], signal.SIGKILL)
         try:
             rc = proc.wait(timeout=60)
+            stopped = time.monotonic()
+            while _session_pids(proc.pid) and time.monotonic() - stopped < 10:
+                time.sleep(0.1)
+            left = _session_pids(proc.pid)  # checkpoint writer processes included
         finally:
             _kill_session(proc.pid)
         assert rc != 0 and time.monotonic() - killed_at < 60
+        assert not left, f"processes outlived the job: {left}"
         assert "signal 9" in " ".join((tmp_path / "killed.log").read_text().split())
     else:  # the run ended before the kill (possible for late random points)
         assert proc.returncode == 0
