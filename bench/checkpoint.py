@@ -90,7 +90,7 @@ def _async_stall(trainer: Any, saver: Any, steps: int) -> tuple[float, float]:
     saver.wait()
     start = time.perf_counter()
     state, meta = trainer.checkpoint_state()
-    saver.save(trainer.iteration, state, meta)
+    saver.save(trainer.iteration, state, meta, copy=False)  # as Pretrainer.save
     blocking = time.perf_counter() - start
     total = blocking + _steps(trainer, steps)
     saver.wait()

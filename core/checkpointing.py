@@ -451,11 +451,14 @@ class CheckpointSaver:
         self._error: BaseException | None = None
         self._process: checkpoint_writer.WriterProcess | None = None
 
-    def save(self, step: int, state: Any, metadata: dict) -> None:
+    def save(self, step: int, state: Any, metadata: dict, copy: bool = True) -> None:
         """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and
         ``metadata`` as ``step``. Synchronous: returns once the checkpoint is committed.
-        Asynchronous: returns at once; the commit follows in the background. Raises
-        ``ValueError`` if ``step`` is not newer than the latest complete checkpoint."""
+        Asynchronous: returns at once; the commit follows in the background. ``copy=False``
+        saves ``state`` itself instead of a snapshot of it: for arrays that are already the
+        caller's own copies, which nothing updates or donates later (saves device memory and a
+        copy). Raises ``ValueError`` if ``step`` is not newer than the latest complete
+        checkpoint."""
         self.wait()
         last = latest_step(self.directory)
         if last is not None and step <= last:
@@ -463,7 +466,7 @@ class CheckpointSaver:
                 f"cannot save step {step} in {self.directory!r}: it is not newer than the latest checkpoint {last}"
             )
         _remove_incomplete_steps(self.directory)
-        snapshot = _snapshot(state)
+        snapshot = _snapshot(state) if copy else state
         metadata = json.loads(json.dumps(metadata))
         save_id = next(_collective_ids)
         if not self.async_save:

@@ -300,6 +300,15 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_used(ckdir, how):
     assert step is None and len(skipped) == 2
 
 
+def test_save_without_copy_writes_the_given_arrays(ckdir, monkeypatch):
+    """copy=False (the caller's arrays are its own copies already): no second snapshot."""
+    monkeypatch.setattr(checkpointing, "_copy_arrays", lambda arrays: pytest.fail("copied again"))
+    values, shardings = _values(4), _shardings_saved()
+    CheckpointSaver(ckdir).save(4, _put(values, shardings), {**META, "iteration": 4}, copy=False)
+    restored, _ = restore_checkpoint(ckdir, 4, _abstract(values, shardings))
+    _assert_state(restored, values, shardings)
+
+
 # ---------------------------------------------------------------------------------------
 # Asynchronous saves: the background thread (writer="thread"; the writer process's tests are
 # in test_checkpoint_writer.py)

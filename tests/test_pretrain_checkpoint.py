@@ -56,6 +56,22 @@ def test_same_layout_resumes_exactly(saved):
     assert [b.step()["loss"] for _ in range(LATER)] == later
 
 
+def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_path, monkeypatch):
+    """checkpoint_state() is one jitted program's new arrays: the next step donates the
+    trainer's own and the copy keeps the values; Pretrainer.save makes no second snapshot."""
+    t = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
+    t.step()
+    state, meta = t.checkpoint_state()
+    own, before = jax.tree.leaves(t.params), jax.tree.map(np.array, t.params)  # host copies, no views
+    t.step()
+    assert all(x.is_deleted() for x in own)  # the step donated the trainer's arrays
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state)) and meta["iteration"] == 1
+    jax.tree.map(np.testing.assert_array_equal, _host(state["params"]), before)
+    monkeypatch.setattr(checkpointing, "_copy_arrays", lambda arrays: pytest.fail("copied a second time"))
+    t.save(str(tmp_path / "ckpt"))
+    assert checkpointing.complete_steps(tmp_path / "ckpt") == [2]
+
+
 # (tp, pp, devices, extra): saved at tp2 pp2 dp2 with the distributed optimizer.
 OTHER_LAYOUTS = [
     (1, 1, 1, ()),

@@ -355,6 +355,7 @@ class Pretrainer:
         self.iteration = 0
         self.skipped_checkpoints: list[str] = []
         self._saver: checkpointing.CheckpointSaver | None = None
+        self._checkpoint_copy: Callable | None = None
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
@@ -494,15 +495,27 @@ class Pretrainer:
         layout-independent form
         (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`) and the
         MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
-        data position, seed, layout and model shape."""
+        data position, seed, layout and model shape. The arrays are new ones, computed by one
+        jitted program (dispatched, not waited for): the next training step may update or donate
+        the trainer's own."""
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
                 "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
                 "optimizer_format": OPTIMIZER_FORMAT}
-        state = {"params": self.params, "opt_state": self.ddp.optimizer_state_to_global(self.opt_state)}
-        state = map_layer_leaves(to_layer_order, state, self.ddp.param_paths)  # vpp-independent
-        if self.moe_state is not None:  # stacked per MoE layer like the layers: the same layer order
-            state["moe_state"] = jax.tree.map(to_layer_order, self.moe_state)
-        return state, meta
+        if self._checkpoint_copy is None:
+            def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
+                state = {"params": params, "opt_state": self.ddp.optimizer_state_to_global(opt_state),
+                         "moe_state": moe_state}
+                # A real copy of the inputs; XLA elides it for what the program computes (the
+                # optimizer state's global form), so that is not copied a second time.
+                return jax.tree.map(jnp.copy, state)
+
+            self._checkpoint_copy = jax.jit(copy)
+        state = self._checkpoint_copy(self.params, self.opt_state, self.moe_state)
+        if self.moe_state is None:
+            del state["moe_state"]
+        else:  # stacked per MoE layer like the layers: the same layer order
+            state["moe_state"] = jax.tree.map(to_layer_order, state["moe_state"])
+        return map_layer_leaves(to_layer_order, state, self.ddp.param_paths), meta  # vpp-independent
 
     def save(self, directory: str) -> None:
         """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
@@ -519,7 +532,7 @@ class Pretrainer:
             self._saver = checkpointing.CheckpointSaver(directory, writer=writer)
         self._saver.async_save = bool(self.args.async_save)
         try:
-            self._saver.save(self.iteration, state, meta)
+            self._saver.save(self.iteration, state, meta, copy=False)  # the state is a copy already
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
             self._saver = None
             raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
