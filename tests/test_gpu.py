@@ -152,3 +152,27 @@ def test_moe_bf16_pretraining_learns():
            "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall")
     losses = layout_losses(1, 1, jax.devices()[:1], iters=20, extra=("--bf16", "--lr", "3e-3", *moe))
     assert np.isfinite(losses).all() and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_async_save_by_the_writer_process_holds_the_gpu_values(tmp_path):
+    """The writer process copies GPU shards (device to host, into its shared buffer) and writes
+    them from its CPU twin job; the training process's arrays are donated meanwhile."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from core.checkpointing import CheckpointSaver, restore_checkpoint
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    rows = 8 * len(jax.devices())
+    host = np.arange(rows * 64, dtype=np.float32).reshape(rows, 64)
+    state = {"w": jax.device_put(host, NamedSharding(mesh, P("x"))),
+             "b": jax.device_put(jnp.ones(64, jnp.bfloat16), NamedSharding(mesh, P()))}
+    saver = CheckpointSaver(str(tmp_path), async_save=True)
+    assert saver.writer == "process"
+    saver.save(1, state, {"iteration": 1})
+    jax.block_until_ready(jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t), donate_argnums=0)(state))
+    saver.close()
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
+    restored, meta = restore_checkpoint(str(tmp_path), 1, target)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), host)
+    assert restored["b"].dtype == jnp.bfloat16 and (np.asarray(restored["b"]) == 1).all() and meta == {"iteration": 1}
