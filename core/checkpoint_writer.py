@@ -250,11 +250,16 @@ class WriterProcess:
               save_id: int) -> None:
         """Copy ``state``'s local shards to the writer and have it write and commit ``step``
         (collective; the caller's background thread). Raises the writer's error."""
+        import jax
+
         if not self._ready:
             self.startup_s = self._receive()[1]
             self._ready = True
         tree, copies, size = _plan(state, self._devices)
         self._ensure_buffer(size)
+        # Wait for the snapshot first (outside the GIL): a host transfer started on a buffer not
+        # yet computed would hold one of XLA's CPU threads, which a step's collective may need.
+        jax.block_until_ready([source for source, _ in copies])
         for source, _ in copies:
             source.copy_to_host_async()  # all transfers in flight before the first wait
         buffer = np.frombuffer(self._buffer, dtype=np.uint8)
