@@ -15,8 +15,9 @@ every process writes its shards into ``<step>.orbax-checkpoint-tmp-<n>``; once a
 ``commit_success.txt`` into it and only then renames it to ``<step>``. A step counts as
 complete only when the marker is there, so a half-copied step directory is never reported as
 the latest checkpoint nor counted by the ``max_to_keep`` retention (which could then delete the
-last good checkpoint). With ``async_save`` all of this runs in a background thread; its
-barriers use the coordination service, never a device collective.
+last good checkpoint). With ``async_save`` all of this runs in the background: in a writer
+process per training process (:mod:`core.checkpoint_writer`, the default on Linux) or in a
+thread; its barriers use a coordination service, never a device collective.
 
 Restores go straight into the requested shardings, so a checkpoint written with one mesh
 layout can be read into any other sharding of the same global shapes. Shapes and the tree
@@ -421,8 +422,9 @@ class CheckpointSaver:
 
     Asynchronous (``async_save``): :meth:`save` only dispatches an on-device copy of the arrays
     (so the next training step may update or donate the originals) and hands the copy to a
-    background thread, which copies it to the host, writes the files, commits the step and
-    records its integrity file while training goes on. Synchronous: the same work, waited for.
+    background thread, which copies it to the host and has the writer (``writer``: a writer
+    process or this thread) write the files, commit the step and record its integrity file
+    while training goes on. Synchronous: the same work in this process, waited for.
 
     At most one save is in flight: the next :meth:`save` (or :meth:`wait`, :meth:`close`) first
     waits for it and raises the error it met, if any. Saves are atomic: each process writes its
