@@ -58,7 +58,8 @@ def test_same_layout_resumes_exactly(saved):
 
 def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_path, monkeypatch):
     """checkpoint_state() is one jitted program's new arrays: the next step donates the
-    trainer's own and the copy keeps the values; Pretrainer.save makes no second snapshot."""
+    trainer's own and the copy keeps the values; Pretrainer.save makes no second snapshot, and
+    waits for the save in flight before it makes its copy (one copy in device memory at a time)."""
     t = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
     t.step()
     state, meta = t.checkpoint_state()
@@ -70,6 +71,12 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     monkeypatch.setattr(checkpointing, "_copy_arrays", lambda arrays: pytest.fail("copied a second time"))
     t.save(str(tmp_path / "ckpt"))
     assert checkpointing.complete_steps(tmp_path / "ckpt") == [2]
+    calls, wait, copy = [], t._saver.wait, t.checkpoint_state  # the previous save's copy goes first
+    monkeypatch.setattr(t._saver, "wait", lambda: calls.append("wait") or wait())
+    monkeypatch.setattr(t, "checkpoint_state", lambda: calls.append("copy") or copy())
+    t.step()
+    t.save(str(tmp_path / "ckpt"))
+    assert calls[:2] == ["wait", "copy"] and checkpointing.complete_steps(tmp_path / "ckpt") == [2, 3]
 
 
 # (tp, pp, devices, extra): saved at tp2 pp2 dp2 with the distributed optimizer.

@@ -524,7 +524,6 @@ class Pretrainer:
         thread, ``--async-save-writer``) writes and commits; :meth:`finish_saving` waits for the
         last one. Raises :class:`TrainingError` when the directory cannot be written (earlier
         checkpoints stay intact)."""
-        state, meta = self.checkpoint_state()
         writer = self.args.async_save_writer
         if self._saver is None or self._saver.directory != os.path.abspath(directory) or (
                 writer is not None and self._saver.writer != writer):
@@ -532,6 +531,8 @@ class Pretrainer:
             self._saver = checkpointing.CheckpointSaver(directory, writer=writer)
         self._saver.async_save = bool(self.args.async_save)
         try:
+            self._saver.wait()  # the previous save's copy is freed before this one is made
+            state, meta = self.checkpoint_state()
             self._saver.save(self.iteration, state, meta, copy=False)  # the state is a copy already
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
             self._saver = None
