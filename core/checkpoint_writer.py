@@ -41,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+from core import cluster
+
 WRITER_NICE = 19
 """The writer process's nice value on the CPU backend (Linux): it takes the cycles the steps leave."""
 
@@ -164,11 +166,10 @@ def _plan(state: Any, ordinals: dict) -> tuple[Any, list[tuple[Any, int]], int]:
 
 def coordinator_address() -> str:
     """``host:port`` for the writers' job (process 0 proposes it): this host (or
-    ``JAX_COORDINATOR_IP``) and a free port, never the training job's own."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return f"{os.environ.get('JAX_COORDINATOR_IP') or socket.gethostname()}:{port}"
+    ``JAX_COORDINATOR_IP``) and a free port, as :func:`core.cluster.coordinator_address` picks
+    them, never the training job's own address or port."""
+    environ = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT")}
+    return cluster.coordinator_address(0, environ)
 
 
 class WriterProcess:
@@ -278,7 +279,7 @@ class WriterProcess:
         """Stop the writer (collective: the writers leave their job together); kill it if it
         does not answer within ``timeout_s``."""
         try:
-            if self._process.poll() is None:
+            if self.alive:
                 self._sock.settimeout(timeout_s)
                 self._send(("exit",))
                 self._receive()

@@ -399,8 +399,9 @@ def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_ke
             raise OSError(f"checkpoint step {step} not committed: process 0: {outcome}")
 
 
-WRITER_NICE = 19
-"""The nice value of the background writer thread on the CPU backend (Linux)."""
+WRITER_NICE = checkpoint_writer.WRITER_NICE
+"""The nice value of the background writer thread on the CPU backend (Linux): the writer
+process's."""
 
 
 def _lower_thread_priority_on_cpu() -> None:

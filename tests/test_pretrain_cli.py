@@ -111,14 +111,13 @@ def test_default_run_learns_below_unigram_entropy(tmp_path):
 def _rank_pids(sid):
     """The training processes (not mpirun / prterun) of session ``sid``."""
     pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in _session_pids(sid):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(fields[3]) == sid and PRETRAIN.encode() in cmdline and b"python" in os.path.basename(cmdline[0]):
-            pids.append(int(stat.parent.name))
+        if PRETRAIN.encode() in cmdline and b"python" in os.path.basename(cmdline[0]):
+            pids.append(pid)
     return pids
 
 
