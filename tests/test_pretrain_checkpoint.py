@@ -79,6 +79,26 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     assert calls[:2] == ["wait", "copy"] and checkpointing.complete_steps(tmp_path / "ckpt") == [2, 3]
 
 
+def test_a_vpp_save_puts_the_layers_in_checkpoint_order_in_its_one_program(tmp_path):
+    """At vpp 2 the copy program itself reshapes the stacked layers to ``[1, L, ...]``, each
+    sharded like its parameter (dim 1 over pp); a vpp-1 trainer loads exactly those values."""
+    vpp = ("--virtual-pipeline-model-parallel-size", "2")
+    a = _trainer(2, 2, *vpp, "--use-distributed-optimizer")
+    a.step()
+    state, _ = a.checkpoint_state()
+    paths = a.ddp.param_paths
+    for p, x, param in zip(paths, jax.tree.leaves(state["params"]), jax.tree.leaves(a.params)):
+        assert x.shape[:2] == ((1, 4) if "layers" in p else param.shape[:2]) and x.sharding.spec == param.sharding.spec
+    reference = {"params": a.params, "opt_state": a.ddp.optimizer_state_to_global(a.opt_state)}
+    reference = _host(map_layer_leaves(to_layer_order, reference, paths))
+    jax.tree.map(np.testing.assert_array_equal, _host(state), reference)
+    a.save(str(tmp_path))
+    b = _trainer(2, 2, "--use-distributed-optimizer")
+    assert b.load(str(tmp_path))
+    loaded = {"params": b.params, "opt_state": b.ddp.optimizer_state_to_global(b.opt_state)}
+    jax.tree.map(np.testing.assert_array_equal, _host(loaded), reference)
+
+
 # (tp, pp, devices, extra): saved at tp2 pp2 dp2 with the distributed optimizer.
 OTHER_LAYOUTS = [
     (1, 1, 1, ()),

@@ -23,12 +23,18 @@ def is_layer_path(path: str) -> bool:
     return path.startswith("['layers']")
 
 
+def merge_chunks(x: jax.Array) -> jax.Array:
+    """``[vpp, L/vpp, ...]`` -> ``[1, L, ...]`` (traceable: for a jitted program, which then
+    names the sharding of the result; :func:`to_layer_order` outside one)."""
+    return x if x.shape[0] == 1 else x.reshape((1, -1) + x.shape[2:])
+
+
 def to_layer_order(x: jax.Array) -> jax.Array:
     """``[vpp, L/vpp, ...]`` -> ``[1, L, ...]``, sharded as before (dim 1 over ``pp``)."""
     if x.shape[0] == 1:
         return x
     sharding = NamedSharding(x.sharding.mesh, x.sharding.spec)
-    return jax.jit(lambda a: a.reshape((1, -1) + a.shape[2:]), out_shardings=sharding)(x)
+    return jax.jit(merge_chunks, out_shardings=sharding)(x)
 
 
 def layer_order_target(like: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

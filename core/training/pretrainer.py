@@ -61,7 +61,7 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
-from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, to_layer_order
+from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
 from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 
@@ -502,20 +502,31 @@ class Pretrainer:
                 "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
                 "optimizer_format": OPTIMIZER_FORMAT}
         if self._checkpoint_copy is None:
-            def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-                state = {"params": params, "opt_state": self.ddp.optimizer_state_to_global(opt_state),
-                         "moe_state": moe_state}
-                # A real copy of the inputs; XLA elides it for what the program computes (the
-                # optimizer state's global form), so that is not copied a second time.
-                return jax.tree.map(jnp.copy, state)
-
-            self._checkpoint_copy = jax.jit(copy)
+            self._checkpoint_copy = self._make_checkpoint_copy()
         state = self._checkpoint_copy(self.params, self.opt_state, self.moe_state)
         if self.moe_state is None:
             del state["moe_state"]
-        else:  # stacked per MoE layer like the layers: the same layer order
-            state["moe_state"] = jax.tree.map(to_layer_order, state["moe_state"])
-        return map_layer_leaves(to_layer_order, state, self.ddp.param_paths), meta  # vpp-independent
+        return state, meta
+
+    def _make_checkpoint_copy(self) -> Callable:
+        """The jitted program of :meth:`checkpoint_state`'s arrays, layers in checkpoint order
+        (vpp-independent; the MoE state is stacked per MoE layer like the layers)."""
+        def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
+            return {"params": params, "opt_state": self.ddp.optimizer_state_to_global(opt_state),
+                    "moe_state": moe_state}
+
+        def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
+            # A real copy of the inputs; XLA elides it for what the program computes (the
+            # optimizer state's global form), so that is not copied a second time.
+            state = jax.tree.map(jnp.copy, gather(params, opt_state, moe_state))
+            state["moe_state"] = jax.tree.map(merge_chunks, state["moe_state"])
+            return map_layer_leaves(merge_chunks, state, self.ddp.param_paths)
+
+        if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
+            return jax.jit(copy)  # merge_chunks is the identity
+        # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
+        args = (self.params, self.opt_state, self.moe_state)
+        return jax.jit(copy, out_shardings=jax.jit(gather).lower(*args).compile().output_shardings)
 
     def save(self, directory: str) -> None:
         """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
