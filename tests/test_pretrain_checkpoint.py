@@ -79,16 +79,36 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     assert calls[:2] == ["wait", "copy"] and checkpointing.complete_steps(tmp_path / "ckpt") == [2, 3]
 
 
+def test_a_saves_copy_takes_one_dp_th_of_params_and_optimizer_state_per_device():
+    """At dp 8 with the distributed optimizer each device holds 1/8 of the Adam state; the save's
+    copy (params + the optimizer state's global form) is split over dp too, not whole on every
+    device, and the global form still converts back exactly."""
+    t = _trainer(1, 1, "--use-distributed-optimizer")
+    t.step()
+    state, _ = t.checkpoint_state()
+    device = jax.devices()[0]
+    on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                                 if s.device == device)
+    whole = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    for part in ("params", "opt_state"):
+        assert on_device(state[part]) < 0.15 * whole(state[part]), part
+    assert on_device(state["opt_state"]) < 1.1 * on_device(t.opt_state)
+    back = t.ddp.optimizer_state_from_global(state["opt_state"])
+    jax.tree.map(np.testing.assert_array_equal, _host(back), _host(t.opt_state))
+
+
 def test_a_vpp_save_puts_the_layers_in_checkpoint_order_in_its_one_program(tmp_path):
     """At vpp 2 the copy program itself reshapes the stacked layers to ``[1, L, ...]``, each
-    sharded like its parameter (dim 1 over pp); a vpp-1 trainer loads exactly those values."""
+    sharded like its parameter (dim 1 over pp) and over dp; a vpp-1 trainer loads exactly
+    those values."""
     vpp = ("--virtual-pipeline-model-parallel-size", "2")
     a = _trainer(2, 2, *vpp, "--use-distributed-optimizer")
     a.step()
     state, _ = a.checkpoint_state()
     paths = a.ddp.param_paths
     for p, x, param in zip(paths, jax.tree.leaves(state["params"]), jax.tree.leaves(a.params)):
-        assert x.shape[:2] == ((1, 4) if "layers" in p else param.shape[:2]) and x.sharding.spec == param.sharding.spec
+        assert x.shape[:2] == ((1, 4) if "layers" in p else param.shape[:2])
+        assert x.sharding.spec == a.ddp.checkpoint_sharding(param).spec  # the param's, split over dp too
     reference = {"params": a.params, "opt_state": a.ddp.optimizer_state_to_global(a.opt_state)}
     reference = _host(map_layer_leaves(to_layer_order, reference, paths))
     jax.tree.map(np.testing.assert_array_equal, _host(state), reference)

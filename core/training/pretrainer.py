@@ -511,9 +511,13 @@ class Pretrainer:
     def _make_checkpoint_copy(self) -> Callable:
         """The jitted program of :meth:`checkpoint_state`'s arrays, layers in checkpoint order
         (vpp-independent; the MoE state is stacked per MoE layer like the layers)."""
+        # The params' copy split over the data-parallel ranks too, as the optimizer state's global
+        # form is: a save holds 1/dp of params + Adam state per device (orbax writes any sharding).
+        split = jax.tree.map(self.ddp.checkpoint_sharding, self.params)
+
         def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-            return {"params": params, "opt_state": self.ddp.optimizer_state_to_global(opt_state),
-                    "moe_state": moe_state}
+            return {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split),
+                    "opt_state": self.ddp.optimizer_state_to_global(opt_state), "moe_state": moe_state}
 
         def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
             # A real copy of the inputs; XLA elides it for what the program computes (the
