@@ -431,6 +431,7 @@ class _SaveThread:
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done = threading.Event()
+        self._done.set()  # nothing submitted: result() returns at once
         self._error: BaseException | None = None
         threading.Thread(target=self._run, name="checkpoint-save", daemon=True).start()
 
@@ -440,7 +441,7 @@ class _SaveThread:
         self._jobs.put((write, args))
 
     def result(self) -> BaseException | None:
-        """Wait for the submitted write; the error it raised, if any."""
+        """Wait for the submitted write; the error it raised, if any (once: then None)."""
         self._done.wait()
         error, self._error = self._error, None
         return error
@@ -494,7 +495,6 @@ class CheckpointSaver:
         process, :mod:`core.checkpoint_writer`; the default on Linux) or ``"thread"`` (a thread
         of the training process, which shares its GIL)."""
         self._thread: _SaveThread | None = None
-        self._in_flight = False
         self._process: checkpoint_writer.WriterProcess | None = None
 
     def save(self, step: int, state: Any, metadata: dict, copy: bool = True) -> None:
@@ -529,16 +529,12 @@ class CheckpointSaver:
             self._thread = _SaveThread()
             weakref.finalize(self, self._thread.stop)  # a saver dropped without close() ends it too
         self._thread.submit(write, self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
-        self._in_flight = True
 
     def wait(self) -> None:
         """Wait for the save in flight (if any) to be committed; raise its error, if it failed
         (``OSError`` or ``ValueError`` as the write reported it; another kind wrapped in
         ``OSError``)."""
-        if not self._in_flight:
-            return
-        self._in_flight = False
-        error = self._thread.result()
+        error = None if self._thread is None else self._thread.result()
         if error is None:
             return
         if self._process is not None and not self._process.alive:  # the next save starts a new one

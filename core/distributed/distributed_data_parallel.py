@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from core import parallel_state
 from core.distributed.array_utils import fold_rng_over_axis
+from core.distributed.collectives import all_gather, group_size
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
@@ -84,12 +85,12 @@ class _StorageSplit:
         """Inside ``shard_map``: this rank's block of ``x`` (whole on every data-parallel rank)."""
         if self.dim < 0:
             return x
-        size = x.shape[self.dim] // int(np.prod([lax.axis_size(a) for a in self.axes]))
+        size = x.shape[self.dim] // group_size(self.axes)
         return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axes) * size, size, self.dim)
 
     def join(self, x: Any) -> Any:
         """Inverse of :meth:`cut`: the whole leaf from every data-parallel rank's block."""
-        return x if self.dim < 0 else lax.all_gather(x, self.axes, axis=self.dim, tiled=True)
+        return x if self.dim < 0 else all_gather(x, self.axes, axis=self.dim)
 
 
 class DistributedDataParallel:
