@@ -25,7 +25,6 @@ to make it the forward order). It only affects which grads share a bucket, not r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,11 +39,11 @@ from jax.sharding import PartitionSpec as P
 
 from core import parallel_state
 from core.distributed.array_utils import fold_rng_over_axis
-from core.distributed.collectives import all_gather, group_size
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
 from core.distributed.param_and_grad_buffer import build_buffer_specs, flatten_to_buckets, unflatten_from_buckets
 from core.distributed.spiky_loss import check_spiky_loss
+from core.distributed.storage_split import StorageSplit
 from core.optimizer.distrib_optimizer import DistributedOptimizer, optimizer_state_bytes
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import ParallelState
@@ -53,44 +52,6 @@ from core.pipeline_parallel.utils import split_microbatches
 
 LossFn = Callable[[Any, Any], jax.Array]
 ForwardBackwardFn = Callable[[Any, Any], tuple[Any, jax.Array, jax.Array]]
-
-
-@dataclasses.dataclass(frozen=True)
-class _StorageSplit:
-    """How one leaf of the layout-independent optimizer state is split over the data-parallel
-    axes: along ``dim`` (``-1``: not split) over ``axes``; ``spec`` is the leaf's spec with it."""
-
-    spec: Any
-    dim: int = -1
-    axes: tuple[str, ...] = ()
-
-    @staticmethod
-    def choose(shape: tuple[int, ...], spec: P, state: Any) -> _StorageSplit:
-        """The split of a leaf of global ``shape`` split by ``spec``: its last free dimension
-        that the data-parallel axes' size divides, after the one split over pp, if any (stacked
-        layers ``[vpp, L/vpp, ...]``: checkpoints reshape those two dimensions between layouts)."""
-        names = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
-        used = {a for entry in names for a in entry if a is not None}
-        axes = tuple(a for a in state.data_parallel_with_context_axis_name if a not in used and state.mesh.shape[a] > 1)
-        size = int(np.prod([state.mesh.shape[a] for a in axes], dtype=int))
-        entries = list(spec) + [None] * (len(shape) - len(spec))
-        first = 1 + max((d for d, entry in enumerate(names) if parallel_state.PP_AXIS in entry), default=-1)
-        for dim in reversed(range(first, len(shape)) if size > 1 else ()):
-            if entries[dim] is None and shape[dim] % size == 0:
-                entries[dim] = axes if len(axes) > 1 else axes[0]
-                return _StorageSplit(P(*entries), dim, axes)
-        return _StorageSplit(spec)
-
-    def cut(self, x: Any) -> Any:
-        """Inside ``shard_map``: this rank's block of ``x`` (whole on every data-parallel rank)."""
-        if self.dim < 0:
-            return x
-        size = x.shape[self.dim] // group_size(self.axes)
-        return lax.dynamic_slice_in_dim(x, lax.axis_index(self.axes) * size, size, self.dim)
-
-    def join(self, x: Any) -> Any:
-        """Inverse of :meth:`cut`: the whole leaf from every data-parallel rank's block."""
-        return x if self.dim < 0 else all_gather(x, self.axes, axis=self.dim)
 
 
 class DistributedDataParallel:
@@ -257,21 +218,26 @@ class DistributedDataParallel:
         leaf_specs = jax.tree.leaves(meta["param_specs"], is_leaf=lambda x: isinstance(x, P))
         return meta["optimizer"].global_state_specs(leaf_specs)
 
-    def _storage_splits(self) -> tuple[Any, Any, Any]:
+    def _storage_splits(self) -> tuple[Any, Any, tuple[StorageSplit, ...]]:
         """``(shapes, specs, splits)`` of the global form as this DDP holds it: global shapes; the
         global form's specs, each parameter-shaped leaf also split over the data-parallel axes
         (dp, cp, and ep where the leaf is not split over it already) along its last dimension
         that is not split yet and divides evenly (a leaf without one stays whole on every rank);
-        and that split per leaf (:class:`_StorageSplit`). So the global form takes 1/dp of the
-        state per device, as the distributed optimizer's shards do, not all of it."""
-        def build() -> tuple[Any, Any, Any]:
+        and that split per parameter (:class:`~core.distributed.storage_split.StorageSplit`).
+        So the global form takes 1/dp of the state per device, as the distributed optimizer's
+        shards do, not all of it."""
+        def build() -> tuple[Any, Any, tuple[StorageSplit, ...]]:
             meta = self._require_init()
             opt, specs = meta["optimizer"], self._global_opt_specs()
             fn = lambda p: opt.state_to_global(opt.init(jax.tree.leaves(p)))
             params = jax.tree.unflatten(meta["treedef"], meta["shapes"])
             shapes = jax.eval_shape(jax.jit(self._shard_map(fn, (meta["param_specs"],), specs)), params)
-            splits = jax.tree.map(lambda x, spec: _StorageSplit.choose(x.shape, spec, self.state), shapes, specs)
-            return shapes, jax.tree.map(lambda x, split: split.spec, shapes, splits), splits
+            split_specs = jax.tree.map(lambda x, spec: StorageSplit.choose(x.shape, spec, self.state).spec,
+                                       shapes, specs)
+            leaf_specs = jax.tree.leaves(meta["param_specs"], is_leaf=lambda x: isinstance(x, P))
+            splits = tuple(StorageSplit.choose(x.shape, spec, self.state)
+                           for x, spec in zip(meta["shapes"], leaf_specs, strict=True))
+            return shapes, split_specs, splits
 
         return self._program("storage_splits", build)
 
@@ -279,29 +245,30 @@ class DistributedDataParallel:
         """The sharding of a checkpoint's copy of ``param``: its own, also split over the
         data-parallel axes as the optimizer state's global form is (:meth:`_storage_splits`),
         so a save's copy of the params takes 1/dp of them per device."""
-        return NamedSharding(self.mesh, _StorageSplit.choose(param.shape, param.sharding.spec, self.state).spec)
+        return NamedSharding(self.mesh, StorageSplit.choose(param.shape, param.sharding.spec, self.state).spec)
 
     def optimizer_state_to_global(self, opt_state: Any) -> Any:
         """The optimizer state in a form that does not depend on the data-parallel layout or on
         the distributed optimizer: the replicated optimizer's state (fp32 masters, Adam moments
         of the parameters' global shapes; step counts). Each leaf is split like its parameter
-        and over the data-parallel ranks (:meth:`_storage_splits`); distributed shards are
-        all-gathered over their data-parallel group and cut. What checkpoints store."""
+        and over the data-parallel ranks (:meth:`_storage_splits`); distributed shards go
+        straight into those blocks, one leaf after the other (no rank holds more than one whole
+        leaf of temporaries). What checkpoints store."""
         meta = self._require_init()
         opt = meta["optimizer"]
         _, specs, splits = self._storage_splits()
-        fn = lambda s: jax.tree.map(lambda x, split: split.cut(x), opt.state_to_global(opt.state_to_local(s)), splits)
+        fn = lambda s: opt.state_to_global(opt.state_to_local(s), splits)
         return self._program("opt_to_global", lambda: jax.jit(self._shard_map(
             fn, (meta["opt_specs"],), specs)))(opt_state)
 
     def optimizer_state_from_global(self, global_state: Any) -> Any:
         """Inverse of :meth:`optimizer_state_to_global` into this DDP's layout (each data-parallel
-        rank cuts its shards when distributed), from a state written in any layout."""
+        rank copies its shards out of the leaves when distributed, one leaf after the other),
+        from a state written in any layout."""
         meta = self._require_init()
         opt = meta["optimizer"]
         _, specs, splits = self._storage_splits()
-        join = lambda s: jax.tree.map(lambda x, split: split.join(x), s, splits)
-        fn = lambda s: opt.state_from_local(opt.state_from_global(join(s)))
+        fn = lambda s: opt.state_from_local(opt.state_from_global(s, splits))
         return self._program("opt_from_global", lambda: jax.jit(self._shard_map(
             fn, (specs,), meta["opt_specs"])))(global_state)
 

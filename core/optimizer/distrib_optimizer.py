@@ -58,12 +58,18 @@ from core.distributed.param_and_grad_buffer import (
     unflatten_from_buckets,
 )
 from core.distributed.spiky_loss import init_spiky_loss_tracker
+from core.distributed.storage_split import StorageSplit, reduce_pieces
 from core.optimizer.clip_grads import bucket_norm_weights, clip_coefficient, get_grad_norm_fp32
 from core.optimizer.optimizer_config import OptimizerConfig, get_optax_transformation
 from core.parallel_state import PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import ParamInfo
 
 Buckets = tuple[jax.Array, ...]
+CONVERT_GROUP_MIN_ELEMENTS = 1 << 22
+"""Smallest group (elements, 16 MiB in fp32) in which :meth:`DistributedOptimizer.state_to_global`
+converts params: each group is one collective per kind, run after the group before (multi-process
+CPU: ~5 ms each; a model of 0.8M params took 28 ms in one group per state, 91 ms in groups of its
+largest param), while its temporaries are about the group's size."""
 TRACKERS = ("large_grads", "spiky_loss")
 """Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
@@ -263,41 +269,142 @@ class DistributedOptimizer:
     def _bucket_shards_def(self) -> Any:
         return jax.tree.structure(tuple(tuple(0 for _ in s.layout.bucket_indices) for s in self.specs))
 
-    def state_to_global(self, opt_state: dict[str, Any]) -> dict[str, Any]:
+    def _is_leaf_list(self, x: Any) -> bool:
+        """Whether ``x`` is a list of one value per parameter (an optax state's parameter-shaped part)."""
+        return isinstance(x, list) and jax.tree.structure(x) == jax.tree.structure([0] * len(self.flags.decay))
+
+    def state_to_global(self, opt_state: dict[str, Any], splits: Sequence[StorageSplit] | None = None
+                        ) -> dict[str, Any]:
         """Inside ``shard_map``, on :meth:`state_to_local`'s value: the state as every parameter's
-        values (its local shard under tp/pp), whatever the data-parallel layout. Distributed: the
-        bucket shards are all-gathered over the data-parallel group and cut into parameters."""
+        values (its local shard under tp/pp), whatever the data-parallel layout, each cut by its
+        parameter's entry of ``splits`` (None: whole). Distributed: every rank puts its part of a
+        leaf (from its bucket shard) in an array of the leaf's shape, zeros elsewhere, and the
+        split's reduce-scatter sums those into the blocks: in groups of :meth:`_group_budget`
+        elements, one after the other, so no rank holds more than about one group's worth of
+        temporaries (not whole buckets, nor the whole state)."""
+        splits = tuple(splits) if splits is not None else (StorageSplit(),) * len(self.flags.decay)
         if not self.sharded:
-            return {"master": opt_state["master"], "inner": opt_state["inner"]}
-        n = len(self.flags.decay)
+            return self._map_param_leaves(lambda x, split: split.cut(x), opt_state, splits)
+        budget = self._group_budget()
+        before: list[jax.Array] = []  # the last group's results: the next group waits for them
+
+        def convert(batch: list[tuple[int, jax.Array]], spec: BufferSpec, leaves: list[Any]) -> None:
+            nonlocal before
+            axes = reduction_axes(spec, self.state)
+            blocks = reduce_pieces([p for _, p in batch], [splits[i] for i, _ in batch], axes)
+            for (i, _), block in zip(batch, blocks, strict=True):
+                leaves[i] = block
+            before = blocks
 
         def leaves_of(per_spec: Sequence[Buckets]) -> list[Any]:
-            leaves: list[Any] = [()] * n
+            # Params in groups of at most ``budget`` elements, one collective per group and kind,
+            # each group after the one before: XLA would otherwise convert every param at once
+            # and hold their temporaries together, the whole optimizer state on every rank.
+            leaves: list[Any] = [()] * len(self.flags.decay)
             for spec, shards in zip(self.specs, per_spec, strict=True):
-                if _has_master(shards):
-                    for i, x in unflatten_from_buckets(self._gather_buckets(shards, spec), spec).items():
-                        leaves[i] = x
+                if not _has_master(shards):
+                    continue
+                batch: list[tuple[int, jax.Array]] = []
+                for b, shard in enumerate(shards):
+                    for j in spec.layout.bucket_params(b):
+                        size = int(np.prod(spec.shapes[j]))
+                        if batch and sum(p.size for _, p in batch) + size > budget:
+                            convert(batch, spec, leaves)
+                            batch = []
+                        batch.append((spec.leaves[j], self._leaf_piece(shard, spec, b, j, before)))
+                convert(batch, spec, leaves)
             return leaves
 
         is_shards = lambda x: jax.tree.structure(x) == self._bucket_shards_def()
+        master = tuple(leaves_of(opt_state["master"]))
         inner = jax.tree.map(lambda x: leaves_of(x) if is_shards(x) else x, opt_state["inner"], is_leaf=is_shards)
-        return {"master": tuple(leaves_of(opt_state["master"])), "inner": inner}
+        return {"master": master, "inner": inner}
 
-    def state_from_global(self, global_state: dict[str, Any]) -> dict[str, Any]:
-        """Inverse of :meth:`state_to_global` in this optimizer's layout (inside ``shard_map``):
-        distributed, each rank cuts its bucket shards out of the parameters' values. The
-        trackers (``large_grads``, ``spiky_loss``) start afresh."""
-        state = {"master": global_state["master"], "inner": global_state["inner"]}
-        if self.sharded:
-            n = len(self.flags.decay)
-            is_leaves = lambda x: isinstance(x, list) and jax.tree.structure(x) == jax.tree.structure([0] * n)
-            inner = jax.tree.map(lambda x: self._param_shards(x) if is_leaves(x) else x, global_state["inner"],
-                                 is_leaf=is_leaves)
-            master = list(global_state["master"])  # () for fp32 params, whose buffers keep no master
-            state = {"master": self._shards([flatten_to_buckets(master, s, jnp.float32)
-                                             if s.key.param_dtype != "float32" else () for s in self.specs]),
-                     "inner": inner}
-        return {**state, **self._init_trackers()}
+    def state_from_global(self, global_state: dict[str, Any], splits: Sequence[StorageSplit] | None = None
+                          ) -> dict[str, Any]:
+        """Inverse of :meth:`state_to_global` (with the same ``splits``) in this optimizer's layout,
+        inside ``shard_map``: each leaf is joined whole from its blocks, and when distributed each
+        rank copies its part of it into its bucket shards, leaf by leaf. The trackers
+        (``large_grads``, ``spiky_loss``) start afresh."""
+        splits = tuple(splits) if splits is not None else (StorageSplit(),) * len(self.flags.decay)
+        if not self.sharded:
+            return {**self._map_param_leaves(lambda x, split: split.join(x), global_state, splits),
+                    **self._init_trackers()}
+        # One param after the other (each all-gathers its whole param, and XLA may transpose
+        # it): all at once would hold the whole state on every rank. A load is rare: its memory
+        # is what matters, not the number of collectives.
+        last: list[jax.Array] = []
+
+        def shards_of(leaves: Sequence[Any], spec: BufferSpec) -> Buckets:
+            shards = []
+            for b in range(len(spec.layout.bucket_indices)):
+                shards.append(self._bucket_shard(leaves, splits, spec, b, last))
+                last[:] = shards[-1:]
+            return tuple(shards)
+
+        inner = jax.tree.map(lambda x: tuple(shards_of(x, s) for s in self.specs) if self._is_leaf_list(x) else x,
+                             global_state["inner"], is_leaf=self._is_leaf_list)
+        master = list(global_state["master"])  # () for fp32 params, whose buffers keep no master
+        master = tuple(shards_of(master, s) if s.key.param_dtype != "float32" else () for s in self.specs)
+        return {"master": master, "inner": inner, **self._init_trackers()}
+
+    def _map_param_leaves(self, f: Any, state: dict[str, Any], per_param: Sequence[Any]) -> dict[str, Any]:
+        """Replicated: ``{"master", "inner"}`` of ``state`` with ``f(leaf, per_param[i])`` applied to
+        every leaf of parameter ``i``'s shape (masters, optax's parameter-shaped leaves)."""
+        inner = optax.tree_utils.tree_map_params(self._tx(), f, state["inner"], list(per_param))
+        master = tuple(f(m, x) if _has_master(m) else m for m, x in zip(state["master"], per_param, strict=True))
+        return {"master": master, "inner": inner}
+
+    # -- one leaf between a bucket shard and the layout-independent form ----------------------
+    def _shard_start(self, spec: BufferSpec, bucket: int) -> tuple[jax.Array, int]:
+        """(where this rank's shard starts in ``bucket``, the shard's size)."""
+        start, end = spec.layout.bucket_indices[bucket]
+        axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
+        size = (end - start) // group_size(axes, groups)
+        return group_index(axes, groups) * size, size
+
+    @staticmethod
+    def _param_start(spec: BufferSpec, bucket: int, j: int) -> int:
+        """Where param ``j`` of ``spec`` starts in its bucket."""
+        return spec.layout.param_index_map[j][0] - spec.layout.bucket_indices[bucket][0]
+
+    def _group_budget(self) -> int:
+        """Elements of a group of :meth:`state_to_global`'s conversion: the largest parameter's
+        (its local shard), at least ``CONVERT_GROUP_MIN_ELEMENTS``."""
+        largest = max(int(np.prod(shape)) for spec in self.specs for shape in spec.shapes)
+        return max(largest, CONVERT_GROUP_MIN_ELEMENTS)
+
+    def _leaf_piece(self, shard: jax.Array, spec: BufferSpec, bucket: int, j: int, after: list[Any]) -> jax.Array:
+        """Param ``j``'s values that this rank's ``shard`` of ``bucket`` holds, in an array of the
+        param's local shape, zeros elsewhere (and zeros on all but the first instance's copy),
+        computed after the values ``after``. Summed over the data-parallel group they are the
+        param's values, exactly."""
+        shard_start, _ = self._shard_start(spec, bucket)
+        n = int(np.prod(spec.shapes[j], dtype=int))
+        first = _after(self._param_start(spec, bucket, j) - shard_start, after)
+        piece = _read(shard, first + jnp.arange(n))
+        if self._intra_groups(spec) is not None:  # several instances hold the shard: count one
+            axes = reduction_axes(spec, self.state)
+            piece = jnp.where(lax.axis_index(axes) < group_size(axes, self._intra_groups(spec)), piece, 0)
+        return piece.reshape(spec.shapes[j])
+
+    def _bucket_shard(self, leaves: Sequence[Any], splits: Sequence[StorageSplit], spec: BufferSpec, bucket: int,
+                      after: list[jax.Array]) -> jax.Array:
+        """Inverse of :meth:`_leaf_piece` for a whole bucket: this rank's shard, from the blocks of
+        its params (``leaves``, cut by ``splits``), each joined whole after the one before (the
+        first after the values ``after``) and copied into the shard; zeros in the padding."""
+        shard_start, size = self._shard_start(spec, bucket)
+        shard = jnp.zeros(size, jnp.float32)
+        for j in spec.layout.bucket_params(bucket):
+            i = spec.leaves[j]
+            block = leaves[i].reshape(-1)  # the same values, read only once ``after`` is done
+            block = _read(block, _after(0, after) + jnp.arange(block.size)).reshape(leaves[i].shape)
+            whole = jnp.ravel(splits[i].join(block)).astype(jnp.float32)
+            at = shard_start - self._param_start(spec, bucket, j) + jnp.arange(size)  # the shard in the param
+            inside = (at >= 0) & (at < whole.size)
+            shard = jnp.where(inside, whole[jnp.clip(at, 0, whole.size - 1)], shard)
+            after = [shard]  # it holds every param before the next one: waiting for it waits for them all
+        return shard
 
     @staticmethod
     def _current_leaves(master: Sequence[Any], param_leaves: Sequence[jax.Array]) -> list[jax.Array]:
@@ -414,6 +521,20 @@ class DistributedOptimizer:
         tracker, report, any_large = check_for_large_grads(opt_state["large_grads"], grad_leaves, self.specs,
                                                            self.state)
         return {**opt_state, "large_grads": tracker}, report, any_large
+
+
+def _read(x: jax.Array, at: jax.Array) -> jax.Array:
+    """``x[at]`` of a 1-D ``x``, zero where ``at`` is outside ``[0, x.size)`` (no wrapping)."""
+    inside = (at >= 0) & (at < x.size)
+    return jnp.where(inside, x[jnp.clip(at, 0, x.size - 1)], jnp.zeros((), x.dtype))
+
+
+def _after(index: Any, values: Sequence[jax.Array]) -> Any:
+    """``index`` (an integer), computed only once every array of ``values`` is: the same value,
+    ``min(index, index + number of NaN first elements)``. ``lax.optimization_barrier`` does not
+    order anything on XLA's CPU backend (its CSE-barrier pass just drops it); a value does."""
+    firsts = [jnp.isnan(v.reshape(-1)[0]).astype(jnp.int32) for v in values if v.size]
+    return jnp.minimum(index, index + sum(firsts)) if firsts else index
 
 
 def _gather_all_buckets_at_once(shards: Buckets, axes: tuple[str, ...],
