@@ -23,7 +23,10 @@ and measures, side by side in one run:
   GIL), the thread again with a 0.5 ms GIL switch interval (Python's default is 5 ms: the loop
   waits up to that long each time it needs the GIL while the writer holds it). The blocking
   part is reported too. ``--trace-dir`` traces one more async save (writer process) of the
-  first model and its steps.
+  first model and its steps;
+* **memory per device** (XLA's ``memory_analysis``, deterministic): the distributed optimizer's
+  state, the save's copy and its program's temporaries, a load's temporaries, and the whole
+  optimizer state for scale (``--devices 8`` for dp 8).
 
 Prints a table and writes ``bench/results/checkpoint.md`` (``--out``).
 """
@@ -159,12 +162,45 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     share = lambda totals: statistics.median(t - p for t, p in zip(totals, plain)) / step
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
-    return {"model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
+    return {**memory(trainer), "model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
             "disk_mib": size / MIB, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking["process"]) * 1e3,
             "blocking_ms_thread": statistics.median(blocking["thread"]) * 1e3,
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
             "stall_share_thread_fast_switch": share(stalls["fast"])}
+
+
+def memory(trainer: Any) -> dict[str, float]:
+    """Per device (MiB, XLA's ``memory_analysis`` of the compiled programs): the distributed
+    optimizer's own state, the save's copy (its outputs: params + the optimizer state's global
+    form, split over dp) and the temporaries of the program that makes it, the temporaries of a
+    load's conversion back into the optimizer's shards, and the whole optimizer state (what every
+    rank held while converting whole buckets at once, before 2026-11-27's second change)."""
+    import jax
+
+    device = trainer.ddp.mesh.devices.flat[0]
+    on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+                                 if s.device == device)
+    state, _ = trainer.checkpoint_state()
+    copy = trainer._checkpoint_copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile()
+    trainer.ddp.optimizer_state_from_global(state["opt_state"])
+    load = trainer.ddp._programs["opt_from_global"].lower(state["opt_state"]).compile()
+    return {"opt_shard_mib": on_device(trainer.opt_state) / MIB,
+            "copy_mib": copy.memory_analysis().output_size_in_bytes / MIB,
+            "copy_temp_mib": copy.memory_analysis().temp_size_in_bytes / MIB,
+            "load_temp_mib": load.memory_analysis().temp_size_in_bytes / MIB,
+            "whole_opt_mib": sum(x.nbytes for x in jax.tree.leaves(state["opt_state"])) / MIB,
+            "dp": trainer.layout.data_parallel_size}
+
+
+def memory_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of :func:`memory`'s part of the rows."""
+    lines = ["| model | dp | distributed optimizer state | save's copy | its program's temporaries "
+             "| load's temporaries | whole optimizer state |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['dp']} | {r['opt_shard_mib']:.2f} MiB | {r['copy_mib']:.2f} MiB "
+                     f"| {r['copy_temp_mib']:.2f} MiB | {r['load_temp_mib']:.2f} MiB | {r['whole_opt_mib']:.2f} MiB |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -216,7 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as workdir:
             rows.append(measure(flags, a.devices, steps, reps, workdir, a.trace_dir if i == 0 else None))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = table(rows)
+    text = f"{table(rows)}\n\nMemory per device:\n\n{memory_table(rows)}"
     print(text)
     if not a.quick and a.model_flags is None and not a.free_cores:
         Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")

@@ -21,3 +21,7 @@ def test_checkpoint_row_is_sane(tmp_path):
     assert len(list((tmp_path / "trace").rglob("*.xplane.pb"))) == 1  # the traced extra save
     assert 0.5 * row["state_mib"] < row["disk_mib"] < 2 * row["state_mib"]  # params + Adam moments, compressed
     assert f"| {row['params'] / 1e6:.2f}M |" in bench_checkpoint.table([row])
+    for key in ("opt_shard_mib", "copy_mib", "copy_temp_mib", "load_temp_mib", "whole_opt_mib"):
+        assert math.isfinite(row[key]) and row[key] >= 0, key
+    assert row["copy_mib"] < row["state_mib"]  # split over the 2 data-parallel ranks
+    assert f"| {row['dp']} |" in bench_checkpoint.memory_table([row])

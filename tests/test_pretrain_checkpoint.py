@@ -100,7 +100,7 @@ def test_a_saves_copy_takes_one_dp_th_of_params_and_optimizer_state_per_device()
 
 def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypatch):
     """The save's copy program converts the state in groups of params up to the largest one's
-    size (at least 16 MiB, here lowered to nothing), one after the other, and the load's
+    size (at least 4 MiB, here lowered to nothing), one after the other, and the load's
     conversion one param after the other: their temporaries stay near the largest param (its
     whole Adam moment while it is reduce-scattered or all-gathered), not the whole optimizer
     state on every rank, which converting whole buckets at once held (1.9 and 2.7 MB here
