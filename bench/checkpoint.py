@@ -162,34 +162,35 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     share = lambda totals: statistics.median(t - p for t, p in zip(totals, plain)) / step
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
-    return {**memory(trainer), "model": trainer.config.describe(), "params": params, "state_mib": state_bytes / MIB,
-            "disk_mib": size / MIB, "save_s": statistics.median(saves), "load_s": statistics.median(loads),
+    return {**memory(trainer, loader), "model": trainer.config.describe(), "params": params,
+            "state_mib": state_bytes / MIB, "disk_mib": size / MIB, "save_s": statistics.median(saves),
+            "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking["process"]) * 1e3,
             "blocking_ms_thread": statistics.median(blocking["thread"]) * 1e3,
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
             "stall_share_thread_fast_switch": share(stalls["fast"])}
 
 
-def memory(trainer: Any) -> dict[str, float]:
-    """Per device (MiB, XLA's ``memory_analysis`` of the compiled programs): the distributed
-    optimizer's own state, the save's copy (its outputs: params + the optimizer state's global
-    form, split over dp) and the temporaries of the program that makes it, the temporaries of a
-    load's conversion back into the optimizer's shards, and the whole optimizer state (what every
-    rank held while converting whole buckets at once, before 2026-11-27's second change)."""
+def memory(trainer: Any, loader: Any) -> dict[str, float]:
+    """Per device (MiB, XLA's ``memory_analysis`` of the compiled programs, nothing run): the
+    distributed optimizer's own state, the save's copy (its outputs: params + the optimizer
+    state's global form, split over dp) and the temporaries of ``trainer``'s program that makes
+    it, the temporaries of ``loader``'s conversion back into the optimizer's shards (after a
+    load), and the whole optimizer state (what every rank held while converting whole buckets at
+    once, before 2026-11-27's evening change)."""
     import jax
+    import numpy as np
 
     device = trainer.ddp.mesh.devices.flat[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                  if s.device == device)
-    state, _ = trainer.checkpoint_state()
-    copy = trainer._checkpoint_copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile()
-    trainer.ddp.optimizer_state_from_global(state["opt_state"])
-    load = trainer.ddp._programs["opt_from_global"].lower(state["opt_state"]).compile()
-    return {"opt_shard_mib": on_device(trainer.opt_state) / MIB,
-            "copy_mib": copy.memory_analysis().output_size_in_bytes / MIB,
-            "copy_temp_mib": copy.memory_analysis().temp_size_in_bytes / MIB,
-            "load_temp_mib": load.memory_analysis().temp_size_in_bytes / MIB,
-            "whole_opt_mib": sum(x.nbytes for x in jax.tree.leaves(state["opt_state"])) / MIB,
+    copy = trainer._checkpoint_copy or trainer._make_checkpoint_copy()
+    copy = copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile().memory_analysis()
+    target = loader.ddp.optimizer_state_global_abstract()
+    load = loader.ddp._programs["opt_from_global"].lower(target).compile().memory_analysis()
+    return {"opt_shard_mib": on_device(trainer.opt_state) / MIB, "copy_mib": copy.output_size_in_bytes / MIB,
+            "copy_temp_mib": copy.temp_size_in_bytes / MIB, "load_temp_mib": load.temp_size_in_bytes / MIB,
+            "whole_opt_mib": sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(target)) / MIB,
             "dp": trainer.layout.data_parallel_size}
 
 

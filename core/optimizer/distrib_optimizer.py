@@ -399,8 +399,10 @@ class DistributedOptimizer:
         shard = jnp.zeros(size, jnp.float32)
         for j in spec.layout.bucket_params(bucket):
             i = spec.leaves[j]
-            block = leaves[i].reshape(-1)  # the same values, read only once ``after`` is done
-            block = _read(block, _after(0, after) + jnp.arange(block.size)).reshape(leaves[i].shape)
+            # The same values, read only once ``after`` is done (a slice at offset 0 of the block
+            # with one more element: XLA cannot drop it as it would a whole-array slice).
+            longer = jnp.concatenate([leaves[i].reshape(-1), jnp.zeros(1, leaves[i].dtype)])
+            block = lax.dynamic_slice_in_dim(longer, _after(0, after), leaves[i].size).reshape(leaves[i].shape)
             whole = jnp.ravel(splits[i].join(block)).astype(jnp.float32)
             # The param lies at ``begin`` in the shard (maybe partly or wholly outside it): rewrite
             # the window of min(param, shard) elements that covers the overlap.
