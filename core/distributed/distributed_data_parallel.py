@@ -252,8 +252,8 @@ class DistributedDataParallel:
         the distributed optimizer: the replicated optimizer's state (fp32 masters, Adam moments
         of the parameters' global shapes; step counts). Each leaf is split like its parameter
         and over the data-parallel ranks (:meth:`_storage_splits`); distributed shards go
-        straight into those blocks, one leaf after the other (no rank holds more than one whole
-        leaf of temporaries). What checkpoints store."""
+        straight into those blocks, a group of parameters after the other (about the largest
+        parameter's state in temporaries, not the whole state). What checkpoints store."""
         meta = self._require_init()
         opt = meta["optimizer"]
         _, specs, splits = self._storage_splits()
