@@ -228,16 +228,15 @@ class DistributedDataParallel:
         shards do, not all of it."""
         def build() -> tuple[Any, Any, tuple[StorageSplit, ...]]:
             meta = self._require_init()
-            opt, specs = meta["optimizer"], self._global_opt_specs()
+            opt = meta["optimizer"]
             fn = lambda p: opt.state_to_global(opt.init(jax.tree.leaves(p)))
             params = jax.tree.unflatten(meta["treedef"], meta["shapes"])
-            shapes = jax.eval_shape(jax.jit(self._shard_map(fn, (meta["param_specs"],), specs)), params)
-            split_specs = jax.tree.map(lambda x, spec: StorageSplit.choose(x.shape, spec, self.state).spec,
-                                       shapes, specs)
+            shapes = jax.eval_shape(jax.jit(self._shard_map(fn, (meta["param_specs"],), self._global_opt_specs())),
+                                    params)
             leaf_specs = jax.tree.leaves(meta["param_specs"], is_leaf=lambda x: isinstance(x, P))
             splits = tuple(StorageSplit.choose(x.shape, spec, self.state)
                            for x, spec in zip(meta["shapes"], leaf_specs, strict=True))
-            return shapes, split_specs, splits
+            return shapes, opt.global_state_specs([split.spec for split in splits]), splits
 
         return self._program("storage_splits", build)
 

@@ -76,9 +76,14 @@ class StorageSplit:
         of ``axes`` holds a non-zero value of each element."""
         if group_size(axes) == 1:
             return self.cut(piece)
-        if self.dim >= 0 and self.axes == tuple(a for a in axes if lax.axis_size(a) > 1):
+        if self._scatters_over(axes):
             return reduce_scatter(piece, self.axes, scatter_dimension=self.dim)
         return self.cut(all_reduce(piece, axes))
+
+    def _scatters_over(self, axes: tuple[str, ...]) -> bool:
+        """Whether a sum over ``axes`` lands in this split by one reduce-scatter: the split is
+        along a dimension, over exactly those of ``axes`` that have more than one rank."""
+        return self.dim >= 0 and self.axes == _wide(axes)
 
 
 def reduce_pieces(pieces: Sequence[jax.Array], splits: Sequence[StorageSplit], axes: tuple[str, ...]
@@ -89,8 +94,8 @@ def reduce_pieces(pieces: Sequence[jax.Array], splits: Sequence[StorageSplit], a
     the others as one all-reduce of them flattened (then cut)."""
     if len(pieces) == 1 or group_size(axes) == 1:
         return [split.reduce(piece, axes) for piece, split in zip(pieces, splits, strict=True)]
-    wide = tuple(a for a in axes if lax.axis_size(a) > 1)
-    scatter = [k for k, split in enumerate(splits) if split.dim >= 0 and split.axes == wide]
+    wide = _wide(axes)
+    scatter = [k for k, split in enumerate(splits) if split._scatters_over(axes)]
     rest = [k for k in range(len(pieces)) if k not in scatter]
     out: list[Any] = [None] * len(pieces)
     if scatter:
@@ -105,6 +110,11 @@ def reduce_pieces(pieces: Sequence[jax.Array], splits: Sequence[StorageSplit], a
         for k, part in zip(rest, _split(summed, [pieces[k].size for k in rest]), strict=True):
             out[k] = splits[k].cut(part.reshape(pieces[k].shape))
     return out
+
+
+def _wide(axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Those of ``axes`` with more than one rank (inside ``shard_map``)."""
+    return tuple(a for a in axes if lax.axis_size(a) > 1)
 
 
 def _split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:

@@ -178,12 +178,17 @@ class DistributedOptimizer:
         """``axis_index_groups`` of the ranks sharing one copy of the state (None: the whole group)."""
         return distributed_optimizer_groups(spec, self.ddp_config, self.state)[0]
 
+    def _shard_range(self, spec: BufferSpec, bucket_size: int) -> tuple[jax.Array, int]:
+        """(where this rank's shard starts in a bucket of ``bucket_size`` elements, the shard's
+        size): shard ``r mod g`` of g with several instances."""
+        axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
+        size = bucket_size // group_size(axes, groups)
+        return group_index(axes, groups) * size, size
+
     def _shard(self, bucket: jax.Array, spec: BufferSpec) -> jax.Array:
-        """This rank's shard of a full bucket (shard ``r mod g`` of g with several instances)."""
-        axes = reduction_axes(spec, self.state)
-        groups = self._intra_groups(spec)
-        size = bucket.shape[0] // group_size(axes, groups)
-        return lax.dynamic_slice_in_dim(bucket, group_index(axes, groups) * size, size)
+        """This rank's shard of a full bucket."""
+        start, size = self._shard_range(spec, bucket.shape[0])
+        return lax.dynamic_slice_in_dim(bucket, start, size)
 
     def _shards(self, per_bucket: Sequence[Buckets]) -> tuple[Buckets, ...]:
         return tuple(tuple(self._shard(b, s) for b in bs) for s, bs in zip(self.specs, per_bucket, strict=True))
@@ -359,11 +364,9 @@ class DistributedOptimizer:
 
     # -- one leaf between a bucket shard and the layout-independent form ----------------------
     def _shard_start(self, spec: BufferSpec, bucket: int) -> tuple[jax.Array, int]:
-        """(where this rank's shard starts in ``bucket``, the shard's size)."""
+        """:meth:`_shard_range` of ``bucket`` of ``spec``."""
         start, end = spec.layout.bucket_indices[bucket]
-        axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
-        size = (end - start) // group_size(axes, groups)
-        return group_index(axes, groups) * size, size
+        return self._shard_range(spec, end - start)
 
     @staticmethod
     def _param_start(spec: BufferSpec, bucket: int, j: int) -> int:
@@ -411,7 +414,7 @@ class DistributedOptimizer:
             start = jnp.clip(begin, 0, size - width)
             at = start - begin + jnp.arange(width)  # the window in the param
             kept = lax.dynamic_slice_in_dim(shard, start, width)
-            window = jnp.where((at >= 0) & (at < whole.size), whole[jnp.clip(at, 0, whole.size - 1)], kept)
+            window = _read(whole, at, fill=kept)
             shard = lax.dynamic_update_slice_in_dim(shard, window, start, 0)
             after = [shard]  # it holds every param before the next one: waiting for it waits for them all
         return shard
@@ -533,10 +536,10 @@ class DistributedOptimizer:
         return {**opt_state, "large_grads": tracker}, report, any_large
 
 
-def _read(x: jax.Array, at: jax.Array) -> jax.Array:
-    """``x[at]`` of a 1-D ``x``, zero where ``at`` is outside ``[0, x.size)`` (no wrapping)."""
+def _read(x: jax.Array, at: jax.Array, fill: Any = 0) -> jax.Array:
+    """``x[at]`` of a 1-D ``x``, ``fill`` where ``at`` is outside ``[0, x.size)`` (no wrapping)."""
     inside = (at >= 0) & (at < x.size)
-    return jnp.where(inside, x[jnp.clip(at, 0, x.size - 1)], jnp.zeros((), x.dtype))
+    return jnp.where(inside, x[jnp.clip(at, 0, x.size - 1)], jnp.asarray(fill, x.dtype))
 
 
 def _after(index: Any, values: Sequence[jax.Array]) -> Any:

@@ -529,8 +529,9 @@ class Pretrainer:
         if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
             return jax.jit(copy)  # merge_chunks is the identity
         # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
-        args = (self.params, self.opt_state, self.moe_state)
-        return jax.jit(copy, out_shardings=jax.jit(gather).lower(*args).compile().output_shardings)
+        opt_state = jax.tree.map(lambda x: x.sharding, self.ddp.optimizer_state_global_abstract())
+        moe_state = jax.tree.map(lambda x: x.sharding, self.moe_state)
+        return jax.jit(copy, out_shardings={"params": split, "opt_state": opt_state, "moe_state": moe_state})
 
     def save(self, directory: str) -> None:
         """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
