@@ -111,7 +111,7 @@ def test_sweep_settings_are_valid_launches_with_distinct_names():
     for smoke in (True, False):
         settings = bench_gpu.sweep_settings(argparse.Namespace(smoke=smoke, iters=30, micro_batch_size=4,
                                                                global_batch_size=8, gpt_flags=""))
-        assert len(settings) == 14 and len({name for name, *_ in settings}) == 14
+        assert len(settings) == 15 and len({name for name, *_ in settings}) == 15
         assert [xla for *_, xla in settings if xla] == list(bench_gpu.SWEEP_XLA_FLAGS)
         for name, flags, _ in settings:
             args = parse_args(flags + one_gpu)
