@@ -74,7 +74,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--checkpoint", action="store_true", help="also measure checkpoints and the async-save stall "
                    "on one GPU (step 6)")
     p.add_argument("--profile", action="store_true", help="trace two steps of the GPT (launch/pretrain.py "
-                   "--profile) and tabulate device time per op category and the top ops")
+                   "--profile) and tabulate device time per op category and the top ops; with --moe the MoE GPT too")
     p.add_argument("--sweep", action="store_true", help="then the one-GPU tuning sweep: micro-batch size, "
                    "recompute none/selective/full, layers scanned vs unrolled (one launch each)")
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
@@ -648,9 +648,16 @@ def main() -> None:
         write()
     if a.moe and not skipped("MoE vs dense", 150):
         moe_flags = moe_vs_dense_flags(a)
-        runs = {name: train_gpt(f, timeout=min(900, left())) for name, f in moe_flags.items()}
-        print(f"> MoE vs dense: {runs}", flush=True)
-        extra.extend(moe_report(runs, moe_flags))
+        with tempfile.TemporaryDirectory() as trace_dir:
+            runs = {}
+            for name, f in moe_flags.items():  # with --profile the MoE run is traced too: where its step goes
+                traced = a.profile and name == "moe"
+                runs[name] = train_gpt(f + (profile_flags(a, trace_dir) if traced else []), timeout=min(900, left()),
+                                       xla_flags=hlo_dump_flags(trace_dir) if traced else "")
+            print(f"> MoE vs dense: {runs}", flush=True)
+            extra.extend(moe_report(runs, moe_flags))
+            if a.profile and "error" not in runs["moe"]:
+                extra.extend(["The MoE GPT's profile:", ""] + profile_report(trace_dir, Path(f"{out}.moe")))
         write()
     write()
     print(f"\n{out.read_text()}\nwritten to {out}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,8 @@ from core.distributed.distributed_data_parallel_config import DistributedDataPar
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import init_sharded_params, param_info_tree, unbox
 from core.transformer.moe import GroupedMLP, MoEBlock, MoEConfig, MoELayer, SequentialMLP, get_updated_expert_bias
-from core.transformer.moe.moe_utils import capacity_slots
+from core.transformer.moe import experts as experts_module
+from core.transformer.moe.moe_utils import capacity_slots, permute_rows
 
 S, B, H, F, FS, E = 4, 8, 16, 32, 24, 8
 DP_AXES = ("dp", "ep")
@@ -527,6 +529,41 @@ def test_grouped_mlp_equals_sequential_loop(implementation, window):
         outs.append(jax.jit(fn, compiler_options=FAST_COMPILE)(params, rows))
     for got, want in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         _close(got, want)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_permute_rows_equals_the_gather_and_its_gradient(k):
+    """``permute_rows`` is ``x[order // k]``, and its gathered backward (each row's ``k`` copies
+    summed) equals autodiff's scatter-add."""
+    rng = np.random.default_rng(k)
+    x = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
+    order = jnp.asarray(rng.permutation(6 * k), jnp.int32)
+    g = jnp.asarray(rng.normal(size=(6 * k, 5)), jnp.float32)
+    got, vjp = jax.vjp(lambda x: permute_rows(x, order, jnp.argsort(order)), x)
+    want, vjp_want = jax.vjp(lambda x: x[order // k], x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(vjp(g)[0], vjp_want(g)[0], rtol=1e-6, atol=1e-6)
+
+
+# A scatter that adds in bf16 (atomic compare-and-swap loops on a GPU); unique indices need no atomics.
+_BF16_SCATTER_ADD = re.compile(r"= bf16\[[^\]]*\][^ ]* scatter\((?![^\n]*unique_indices=true)")
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("name,overrides", [(name, ()) for name in CONFIGS]
+                         + [("softmax_swiglu_shared", (("moe_token_dispatcher_type", "allgather"),))])
+def test_bf16_layer_backward_adds_no_rows_in_bf16(monkeypatch, name, overrides, ep):
+    """The layer's bf16 forward + backward, as accelerators run it (``ragged_dot``), has no bf16
+    scatter-add: the dispatch's and combine's permutations go back by gathers and rows read with
+    repeats add their gradients in fp32. (A bf16 scatter-add made the MoE GPT of ``bench/gpu.py``
+    100x slower than the dense one on an H100.)"""
+    monkeypatch.setattr(experts_module, "default_grouped_implementation", lambda: "ragged_dot")
+    fn, specs, state = _layer_fn(name, ep, 1, 2, overrides)
+    params = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(state.mesh, s)), _initial(name), specs)
+    x, w = (a.astype(jnp.bfloat16) for a in _inputs())
+    hlo = fn.lower(params, x, w, jnp.ones(state.world_size)).as_text(dialect="hlo")
+    assert "scatter(" in hlo or "ragged" in hlo  # the program is the layer's
+    assert not _BF16_SCATTER_ADD.findall(hlo), _BF16_SCATTER_ADD.findall(hlo)
 
 
 @pytest.mark.parametrize("sizes,window", [((3, 0, 7, 2), None), ((3, 0, 7, 2), 2), ((0, 20, 0, 0), 4),

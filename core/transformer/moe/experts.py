@@ -113,15 +113,15 @@ class GroupedMLP(_ExpertMLPBase):
                 y = jnp.einsum("cwf,cfh->cwh", self._activation(h), w2)
                 return y if b2 is None else y + b2[:, None]
             return windowed_apply(rows, (w1, b1, w2, b2), gs, mlp, self.window)
-        gid = group_ids(gs, rows.shape[0])
-        valid = (gid < self.num_local_experts)[:, None]
-        safe = jnp.minimum(gid, self.num_local_experts - 1)
+        # Each row's expert bias by a one-hot matmul (zero for padding rows): the gather's backward
+        # would scatter-add every row into E bias rows, in bf16, an atomic loop on a GPU.
+        one_hot = jax.nn.one_hot(group_ids(gs, rows.shape[0]), self.num_local_experts, dtype=rows.dtype)
         h = lax.ragged_dot(rows, w1, gs)
         if b1 is not None:
-            h = h + jnp.where(valid, b1[safe], 0)
+            h = h + one_hot @ b1
         y = lax.ragged_dot(self._activation(h), w2, gs)
         if b2 is not None:
-            y = y + jnp.where(valid, b2[safe], 0)
+            y = y + one_hot @ b2
         return y
 
 

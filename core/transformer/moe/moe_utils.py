@@ -110,6 +110,37 @@ def sort_by_expert(expert_ids: jax.Array, num_groups: int) -> tuple[jax.Array, j
     return order, inverse, counts
 
 
+@jax.custom_vjp
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[order // k]`` for a permutation ``order`` of ``n = k * len(x)`` rows and its ``inverse``
+    (:func:`sort_by_expert`'s), ``k = len(order) // len(x)``: every row of ``x`` ``k`` times, in
+    ``order``. With ``k = 1`` a plain permutation.
+
+    The backward gathers instead of scatter-adding: the cotangent's rows back in ``x``'s order
+    (``g[inverse]``), each row's ``k`` copies summed in fp32. Autodiff of the gather would
+    scatter-add the rows in the activations' dtype; a bf16 scatter-add is an atomic
+    compare-and-swap loop on a GPU (the embedding's took 40 ms for 8192 rows on an H100,
+    docs/gpu-performance.md) and an element loop on the CPU.
+    """
+    return x[order // (order.shape[0] // x.shape[0])]
+
+
+def _permute_rows_fwd(x: jax.Array, order: jax.Array, inverse: jax.Array):
+    return permute_rows(x, order, inverse), (order, inverse, x.shape[0])
+
+
+def _permute_rows_bwd(res, g: jax.Array):
+    order, inverse, n = res
+    k = order.shape[0] // n
+    gx = g[inverse]
+    if k > 1:
+        gx = gx.reshape(n, k, -1).astype(jnp.float32).sum(axis=1).astype(g.dtype)
+    return gx, None, None
+
+
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
 def capacity_slots(indices: jax.Array, probs: jax.Array, num_experts: int, capacity: int,
                    drop_policy: str = "probs") -> tuple[jax.Array, jax.Array]:
     """Megatron's token dropping (``apply_router_token_dropping``) in the ``[T, k]`` form.

@@ -45,7 +45,7 @@ from core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from core.transformer.moe.moe_utils import sort_by_expert
+from core.transformer.moe.moe_utils import permute_rows, sort_by_expert
 from core.transformer.moe.router import RouterOutput
 
 Context = dict[str, Any]
@@ -57,6 +57,13 @@ def _weighted_sum(out: jax.Array, probs: jax.Array, dtype: Any) -> jax.Array:
     t, k = probs.shape
     out = out.reshape(t, k, -1).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", out, probs.astype(jnp.float32)).astype(dtype)
+
+
+def _rows_fp32_grad(x: jax.Array, index: jax.Array) -> jax.Array:
+    """``x[index]`` (rows, repeats allowed) read from an fp32 copy of ``x``: autodiff's scatter-add
+    of the rows' gradients then adds in fp32, as GPUs do natively, instead of a bf16
+    compare-and-swap loop (see :func:`~core.transformer.moe.moe_utils.permute_rows`)."""
+    return x.astype(jnp.float32)[index].astype(x.dtype)
 
 
 def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -96,9 +103,9 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
         t, k = routing.indices.shape
         experts = routing.indices.reshape(-1)
         order, inverse, counts = sort_by_expert(experts, self.num_experts)
-        ctx: Context = {"inverse": inverse, "probs": routing.probs, "dtype": x.dtype}
+        ctx: Context = {"order": order, "inverse": inverse, "probs": routing.probs, "dtype": x.dtype}
         if self.ep == 1:
-            return x[order // k], counts, ctx  # [T * k, h], grouped by expert
+            return permute_rows(x, order, inverse), counts, ctx  # [T * k, h], grouped by expert
         ep, e_local = self.ep, self.num_local_experts
         width = t * min(k, e_local)  # worst-case rows to one destination
         first = exchange_width(t * k, ep, width)  # the first exchange's rows per destination
@@ -111,7 +118,8 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
             source = dest_start[:, None] + slot[None, :]  # [ep, hi - lo] index into the sorted rows
             filled = slot[None, :] < dest_counts[:, None]
             token = (order // k)[jnp.minimum(source, t * k - 1)]  # gathered from x directly: no [T * k, h] copy
-            return jnp.where(filled[..., None], x[token], 0).reshape(ep * (hi - lo), -1)
+            rows = _rows_fp32_grad(x, token)
+            return jnp.where(filled[..., None], rows, 0).reshape(ep * (hi - lo), -1)
 
         recv = self._exchange(send, first, width, overflow)
         recv_counts = lax.all_to_all(counts.reshape(ep, e_local), self.ep_axis, 0, 0, tiled=True)  # [src, E_local]
@@ -120,9 +128,9 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
         slot = jnp.arange(width, dtype=jnp.int32)
         local_expert = (slot[None, :, None] >= ends[:, None, :]).sum(axis=-1).reshape(-1)
         recv_order, recv_inverse, group_sizes = sort_by_expert(local_expert, e_local)
-        ctx.update(recv_inverse=recv_inverse, width=width, first=first, overflow=overflow,
+        ctx.update(recv_order=recv_order, recv_inverse=recv_inverse, width=width, first=first, overflow=overflow,
                    experts_sorted=experts[order], dest_start=dest_start)
-        return recv[recv_order], group_sizes, ctx
+        return permute_rows(recv, recv_order, recv_inverse), group_sizes, ctx
 
     def _exchange(self, send: Callable[[int, int], jax.Array], first: int, width: int,
                   overflow: jax.Array) -> jax.Array:
@@ -144,13 +152,14 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
             return self._combine_capacity(out, ctx)
         if self.ep > 1:
             ep, width = self.ep, ctx["width"]
-            slots = out[ctx["recv_inverse"]].reshape(ep, width, -1)  # in received-slot order
+            slots = permute_rows(out, ctx["recv_inverse"], ctx["recv_order"]).reshape(ep, width, -1)  # received order
             back = self._exchange(lambda lo, hi: slots[:, lo:hi].reshape(ep * (hi - lo), -1), ctx["first"], width,
                                   ctx["overflow"])  # [ep * width, h]
             dest = ctx["experts_sorted"] // self.num_local_experts
             position = jnp.arange(dest.shape[0], dtype=jnp.int32) - ctx["dest_start"][dest]
-            out = back.reshape(ep, width, -1)[dest, position]  # [T * k, h] in sorted order
-        return _weighted_sum(out[ctx["inverse"]], ctx["probs"], ctx["dtype"])
+            # [T * k, h] in sorted order; each slot read once (a scatter without atomics backward)
+            out = back.reshape(ep, width, -1).at[dest, position].get(unique_indices=True)
+        return _weighted_sum(permute_rows(out, ctx["inverse"], ctx["order"]), ctx["probs"], ctx["dtype"])
 
     # -- capacity: a fixed [E, capacity] buffer per rank -------------------------------------
     def _dispatch_capacity(self, x: jax.Array, routing: RouterOutput) -> tuple[jax.Array, jax.Array, Context]:
@@ -159,7 +168,7 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
         e_all, ep, e_local = self.num_experts, self.ep, self.num_local_experts
         where = jnp.where(routing.keep, routing.indices * cap + routing.slots, e_all * cap).reshape(-1)
         owner = jnp.full((e_all * cap + 1,), n, jnp.int32).at[where].set(jnp.arange(n, dtype=jnp.int32))[:-1]
-        buf = jnp.where((owner < n)[:, None], x[jnp.minimum(owner // k, t - 1)], 0)  # [E * cap, h]
+        buf = jnp.where((owner < n)[:, None], _rows_fp32_grad(x, jnp.minimum(owner // k, t - 1)), 0)  # [E * cap, h]
         if ep > 1:
             buf = lax.all_to_all(buf, self.ep_axis, 0, 0, tiled=True)  # [src, E_local, cap, h] flattened
             buf = buf.reshape(ep, e_local, cap, -1).transpose(1, 0, 2, 3).reshape(e_local * ep * cap, -1)
@@ -173,7 +182,7 @@ class MoEAlltoAllTokenDispatcher(_TokenDispatcher):
             out = out.reshape(e_local, ep, cap, -1).transpose(1, 0, 2, 3).reshape(ep * e_local * cap, -1)
             out = lax.all_to_all(out, self.ep_axis, 0, 0, tiled=True)  # [E * cap, h] in this rank's slots
         out = jnp.concatenate([out, jnp.zeros((1, out.shape[-1]), out.dtype)])  # dropped -> zero row
-        return _weighted_sum(out[ctx["where"]], ctx["probs"], ctx["dtype"])
+        return _weighted_sum(out.astype(jnp.float32)[ctx["where"]], ctx["probs"], ctx["dtype"])  # fp32 backward
 
 
 class MoEAllGatherTokenDispatcher(_TokenDispatcher):
@@ -194,8 +203,8 @@ class MoEAllGatherTokenDispatcher(_TokenDispatcher):
         order = order[: self.ep * t * min(k, e_local)]  # local assignments come first; at most this many
         valid = key[order] < e_local
         token = order // k
-        rows = jnp.where(valid[:, None], xg[token], 0)
-        weight = jnp.where(valid, probs.reshape(-1)[order], 0)
+        rows = jnp.where(valid[:, None], _rows_fp32_grad(xg, token), 0)
+        weight = jnp.where(valid, probs.reshape(-1).at[order].get(unique_indices=True), 0)  # order: no repeats
         ctx: Context = {"token": token, "weight": weight, "tokens": self.ep * t, "dtype": x.dtype}
         return rows, group_sizes, ctx
 
