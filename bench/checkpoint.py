@@ -106,27 +106,37 @@ waiting for the GIL waits up to the interval for the holder (here the writer) to
 
 
 def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir: str,
-            trace_dir: str | None = None) -> dict[str, Any]:
+            trace_dir: str | None = None, one_copy: bool = False) -> dict[str, Any]:
     """One model's row (see the module docstring); with ``trace_dir`` one more async save (the
-    writer process) and its steps are traced there (``jax.profiler``) after the timed rounds."""
+    writer process) and its steps are traced there (``jax.profiler``) after the timed rounds.
+
+    ``one_copy``: for a model of which the device holds one training state only (``bench/gpu.py``'s
+    ~1.2B GPT on one GPU: ~20 GB of params, grads and Adam, plus the save's copy): the loads go
+    into the training model itself instead of a second one, only the writer process is timed,
+    and every directory keeps one checkpoint (each is ~14.5 GB on disk)."""
     import jax
+    import numpy as np
 
     from core.checkpointing import CheckpointSaver
 
+    keep = 1 if one_copy else 2
     trainer = _trainer(model_flags, devices, [])
     _steps(trainer, 2)  # compile
     params = sum(x.size for x in jax.tree.leaves(trainer.params))
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
-        x.nbytes for x in jax.tree.leaves(trainer.ddp.optimizer_state_to_global(trainer.opt_state)))
+        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.ddp.optimizer_state_global_abstract()))
     sync_dir = os.path.join(workdir, "sync")
+    trainer._saver = CheckpointSaver(sync_dir, max_to_keep=keep, async_save=False)  # as Pretrainer.save makes it
     trainer.save(sync_dir)  # compiles the gather program
-    savers = {w: CheckpointSaver(os.path.join(workdir, w), async_save=True, writer=w) for w in ("process", "thread")}
+    writers = ("process",) if one_copy else ("process", "thread")
+    savers = {w: CheckpointSaver(os.path.join(workdir, w), max_to_keep=keep, async_save=True, writer=w)
+              for w in writers}
     for saver in savers.values():  # starts the writer process (its first save waits for it)
         _async_stall(trainer, saver, 1)
     saves, loads, plain = [], [], []
     stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": []}
     blocking: dict[str, list[float]] = {"process": [], "thread": []}
-    loader = _trainer(model_flags, devices, [])
+    loader = trainer if one_copy else _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
         _steps(trainer, 1)
@@ -140,10 +150,12 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
         # Alternate: steps alone, then an async save followed by the same number of steps, by
         # the writer process, by the writer thread, and by the thread with a short GIL switch interval.
         plain.append(_steps(trainer, steps))
-        for writer in ("process", "thread"):
+        for writer in writers:
             block, total = _async_stall(trainer, savers[writer], steps)
             blocking[writer].append(block)
             stalls[writer].append(total)
+        if one_copy:
+            continue
         default_interval = sys.getswitchinterval()
         sys.setswitchinterval(FAST_SWITCH_S)
         try:
@@ -159,14 +171,14 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
         saver.close()
     step = statistics.median(plain) / steps
     # Each round's save-and-steps minus the same round's plain steps: drift between rounds cancels.
-    share = lambda totals: statistics.median(t - p for t, p in zip(totals, plain)) / step
+    share = lambda totals: statistics.median(t - p for t, p in zip(totals, plain)) / step if totals else None
+    ms = lambda times: statistics.median(times) * 1e3 if times else None
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
     return {**memory(trainer, loader), "model": trainer.config.describe(), "params": params,
             "state_mib": state_bytes / MIB, "disk_mib": size / MIB, "save_s": statistics.median(saves),
             "load_s": statistics.median(loads),
-            "step_ms": step * 1e3, "blocking_ms": statistics.median(blocking["process"]) * 1e3,
-            "blocking_ms_thread": statistics.median(blocking["thread"]) * 1e3,
+            "step_ms": step * 1e3, "blocking_ms": ms(blocking["process"]), "blocking_ms_thread": ms(blocking["thread"]),
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
             "stall_share_thread_fast_switch": share(stalls["fast"])}
 
@@ -205,15 +217,17 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The markdown table of :func:`measure`'s rows."""
+    """The markdown table of :func:`measure`'s rows ("-": not measured, ``one_copy``)."""
+    pct = lambda x: "-" if x is None else f"{x:.0%}"
+    num = lambda x: "-" if x is None else f"{x:.0f}"
     lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking "
              "(process / thread) | async stall / step: writer process | writer thread | thread, GIL switch 0.5 ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['state_mib']:.1f} MiB | {r['disk_mib']:.1f} MiB "
                      f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms "
-                     f"| {r['blocking_ms']:.0f} / {r['blocking_ms_thread']:.0f} ms | {r['stall_share']:.0%} "
-                     f"| {r['stall_share_thread']:.0%} | {r['stall_share_thread_fast_switch']:.0%} |")
+                     f"| {num(r['blocking_ms'])} / {num(r['blocking_ms_thread'])} ms | {pct(r['stall_share'])} "
+                     f"| {pct(r['stall_share_thread'])} | {pct(r['stall_share_thread_fast_switch'])} |")
     return "\n".join(lines)
 
 
@@ -236,6 +250,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    "steps there (jax.profiler; python -m core.training.profile_summary DIR --raw)")
     p.add_argument("--model-flags", default=None, help="measure this one model instead (launch/pretrain.py flags, "
                    "e.g. bench/gpu.py's GPT)")
+    p.add_argument("--one-copy", action="store_true", help="the device holds one training state only (a large "
+                   "model on one GPU): load into the training model, time the writer process only, keep one "
+                   "checkpoint per directory")
     p.add_argument("--free-cores", action="store_true", help="CPU: size XLA's thread pool to one core, so the "
                    "steps leave the other cores free for the writer, as on a GPU host (Linux)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "checkpoint.md"))
@@ -251,7 +268,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for i, flags in enumerate(models):
         with tempfile.TemporaryDirectory() as workdir:
-            rows.append(measure(flags, a.devices, steps, reps, workdir, a.trace_dir if i == 0 else None))
+            rows.append(measure(flags, a.devices, steps, reps, workdir, a.trace_dir if i == 0 else None, a.one_copy))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     text = f"{table(rows)}\n\nMemory per device:\n\n{memory_table(rows)}"
     print(text)
