@@ -70,17 +70,20 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
     for smoke in (True, False):
         flags = bench_gpu.moe_vs_dense_flags(argparse.Namespace(smoke=smoke, iters=3))
         one_gpu = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
-        dense, moe = (parse_args(flags[name] + one_gpu) for name in ("dense", "moe"))
-        for args in (dense, moe):
+        dense, moe, windows = (parse_args(flags[name] + one_gpu) for name in ("dense", "moe", "moe, windows"))
+        for args in (dense, moe, windows):
             validate_args(args, 1)
+        assert (moe.moe_grouped_gemm_implementation, windows.moe_grouped_gemm_implementation) == \
+            ("ragged_dot", "windows")
         assert moe.num_experts == 8 and moe.moe_router_topk * moe.moe_ffn_hidden_size == dense.ffn_hidden_size
         assert moe.moe_router_force_load_balancing  # the CPU benchmark's target row: balanced routing
     row = {"tokens_per_sec": 1000.0, "step_s": 0.5, "tflops_per_device": 100.0, "mfu": 0.4, "memory_gib": 10.0,
            "compile_s": 30.0}
     text = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {**row, "step_s": 0.6}}, flags))
-    assert "| moe | 1000 | 0.600 |" in text and "MoE step / dense step: **1.20**" in text
-    failed = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {"error": "exit 1"}}, flags))
-    assert "| moe | failed: exit 1 |" in failed and "MoE step / dense step" not in failed
+    assert "| moe | 1000 | 0.600 |" in text and "Step / dense step: moe **1.20**" in text
+    failed = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {"error": "exit 1"},
+                                             "moe, windows": {**row, "step_s": 0.7}}, flags))
+    assert "| moe | failed: exit 1 |" in failed and "Step / dense step: moe, windows **1.40**" in failed
 
 
 def test_checkpoint_step_runs_on_the_default_backend_and_its_report_reads_the_stall(tmp_path):

@@ -143,6 +143,7 @@ MOE = ["--num-experts", "8", "--moe-router-topk", "2"]
     (MOE + ["--moe-pad-expert-input-to-capacity", "--moe-token-dispatcher-type", "alltoall"],
      "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor"),
     (MOE + ["--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff must be >= 0, got -1.0"),
+    (MOE + ["--moe-grouped-gemm-implementation", "windows"], "--moe-grouped-gemm-implementation needs --moe-grouped-gemm"),
     (MOE + ["--num-layers", "4", "--moe-layer-freq", "[1,0]"], "moe-layer-freq has 2 entries, num-layers is 4"),
     (MOE + ["--num-layers", "4", "--moe-layer-freq", "0"], "moe-layer-freq must be >= 1, got 0"),
     (MOE + ["--num-layers", "4", "--moe-layer-freq", "[0,0,0,0]"], "makes no layer MoE"),
@@ -173,7 +174,8 @@ def test_moe_flags_map_onto_the_config():
                        "--num-experts", "8", "--expert-model-parallel-size", "2", "--moe-layer-freq", "[1,0,1,0]",
                        "--moe-router-topk", "1", "--moe-router-pre-softmax", "--moe-aux-loss-coeff", "0.01",
                        "--moe-z-loss-coeff", "0.001", "--moe-token-dispatcher-type", "alltoall",
-                       "--moe-grouped-gemm", "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
+                       "--moe-grouped-gemm", "--moe-grouped-gemm-implementation", "windows",
+                       "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy",
                        "position", "--moe-shared-expert-intermediate-size", "64", "--moe-router-dtype", "fp32",
                        "--moe-router-force-load-balancing", "--global-batch-size", "32"])
     layout = validate_args(args, 16)  # tp2 pp2 dp4, ep2
@@ -185,6 +187,7 @@ def test_moe_flags_map_onto_the_config():
         (8, 1, True, 512)  # expert width defaults to the MLP's (4 x 128)
     assert (moe.moe_aux_loss_coeff, moe.moe_z_loss_coeff, moe.moe_token_dispatcher_type, moe.moe_grouped_gemm) == \
         (0.01, 0.001, "alltoall", True)
+    assert moe.moe_grouped_gemm_implementation == "windows"
     assert (moe.moe_expert_capacity_factor, moe.moe_token_drop_policy, moe.moe_shared_expert_intermediate_size) == \
         (1.5, "position", 64)
     assert (moe.moe_router_dtype, moe.swiglu, moe.add_bias_linear) == ("fp32", True, False)

@@ -545,6 +545,21 @@ def test_permute_rows_equals_the_gather_and_its_gradient(k):
     np.testing.assert_allclose(vjp(g)[0], vjp_want(g)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("implementation", ["ragged_dot", "windows"])
+def test_grouped_gemm_implementation_flag_picks_the_experts_program(implementation):
+    """``moe_grouped_gemm_implementation`` reaches ``GroupedMLP``: the layer runs that grouped GEMM
+    (``ragged_dot`` also on the CPU) and equals the reference, at ep 2."""
+    overrides = (("moe_grouped_gemm_implementation", implementation),)
+    out, specs, state = _run("softmax_swiglu_shared", ep=2, overrides=overrides)
+    _check_against_reference("softmax_swiglu_shared", out, specs, state)
+    fn, specs, state = _layer_fn("softmax_swiglu_shared", 2, 1, 8, overrides)
+    params = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(state.mesh, s)), _initial("softmax_swiglu_shared"),
+                          specs)
+    x, w = _inputs()
+    jaxpr = str(fn.trace(params, x, w, jnp.ones(state.world_size)).jaxpr)
+    assert ("ragged_dot" in jaxpr) == (implementation == "ragged_dot")
+
+
 # A scatter that adds in bf16 (atomic compare-and-swap loops on a GPU); unique indices need no atomics.
 _BF16_SCATTER_ADD = re.compile(r"= bf16\[[^\]]*\][^ ]* scatter\((?![^\n]*unique_indices=true)")
 
@@ -731,6 +746,9 @@ BAD = [
     (dict(moe_expert_capacity_factor=1.0, moe_token_dispatcher_type="allgather"), {},
      r"--moe-expert-capacity-factor needs --moe-token-dispatcher-type alltoall"),
     (dict(moe_expert_capacity_factor=0.0), {}, r"--moe-expert-capacity-factor must be > 0"),
+    (dict(moe_grouped_gemm_implementation="cublas"), {}, r"--moe-grouped-gemm-implementation must be one of"),
+    (dict(moe_grouped_gemm=False, moe_grouped_gemm_implementation="windows"), {},
+     r"--moe-grouped-gemm-implementation needs --moe-grouped-gemm"),
     (dict(moe_pad_expert_input_to_capacity=True), {}, r"--moe-pad-expert-input-to-capacity needs "
                                                        r"--moe-expert-capacity-factor"),
     (dict(moe_aux_loss_coeff=-1.0), {}, r"--moe-aux-loss-coeff must be >= 0"),

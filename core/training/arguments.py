@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token dispatcher over the expert-parallel ranks (default allgather)")
     g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
                    help="all local experts in one grouped GEMM (jax.lax.ragged_dot)")
+    g.add_argument("--moe-grouped-gemm-implementation", choices=["ragged_dot", "windows"], default=None,
+                   help="the grouped GEMM's implementation (default: windows of each expert's rows on the CPU, "
+                        "jax.lax.ragged_dot elsewhere)")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="expert capacity factor (tokens over capacity are dropped; default: dropless)")
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default=None,
@@ -291,7 +294,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
 
 MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",
              "moe_router_pre_softmax", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-             "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_expert_capacity_factor", "moe_token_drop_policy",
+             "moe_token_dispatcher_type", "moe_grouped_gemm", "moe_grouped_gemm_implementation",
+             "moe_expert_capacity_factor", "moe_token_drop_policy",
              "moe_pad_expert_input_to_capacity", "moe_shared_expert_intermediate_size", "moe_router_dtype",
              "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_router_force_load_balancing")
 """The MoE flags besides ``--num-experts`` (None when not given)."""

@@ -476,6 +476,8 @@ class Pretrainer:
         for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
                       "hidden_dropout", "context_parallel_size", "cp_comm_type"):
             record.pop(field)
+        if record["moe"] is not None:  # an execution choice, as the ones above
+            record["moe"].pop("moe_grouped_gemm_implementation")
         if isinstance(record["moe_layer_freq"], tuple):  # as the JSON metadata reads back
             record["moe_layer_freq"] = list(record["moe_layer_freq"])
         return record

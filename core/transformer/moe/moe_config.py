@@ -16,6 +16,8 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 """What ``moe_router_load_balancing_type`` accepts (Megatron's ``sinkhorn`` is not implemented)."""
 DISPATCHER_TYPES = ("alltoall", "allgather")
 """What ``moe_token_dispatcher_type`` accepts."""
+GROUPED_GEMM_IMPLEMENTATIONS = ("ragged_dot", "windows")
+"""What ``moe_grouped_gemm_implementation`` accepts."""
 DROP_POLICIES = ("probs", "position")
 """What ``moe_token_drop_policy`` accepts."""
 ROUTER_DTYPES = ("fp32", None)
@@ -63,6 +65,10 @@ class MoEConfig:
     moe_grouped_gemm: bool = False
     """``--moe-grouped-gemm``: all local experts in one ``jax.lax.ragged_dot`` (False: a loop over
     the local experts, Megatron's ``SequentialMLP``)."""
+    moe_grouped_gemm_implementation: str | None = None
+    """``--moe-grouped-gemm-implementation`` (this package's): the grouped GEMM as ``"ragged_dot"``
+    (``jax.lax.ragged_dot``) or ``"windows"`` (batched matmuls over fixed windows of each expert's
+    rows, :mod:`~core.transformer.moe.grouped_gemm`); None: windows on the CPU, ragged_dot elsewhere."""
     moe_expert_capacity_factor: float | None = None
     """``--moe-expert-capacity-factor``: capacity ``ceil(tokens * topk / experts * factor)`` per
     expert and rank; None: dropless."""
@@ -105,6 +111,11 @@ class MoEConfig:
         _one_of("--moe-router-load-balancing-type", self.moe_router_load_balancing_type, LOAD_BALANCING_TYPES)
         _one_of("--moe-token-dispatcher-type", self.moe_token_dispatcher_type, DISPATCHER_TYPES)
         _one_of("--moe-token-drop-policy", self.moe_token_drop_policy, DROP_POLICIES)
+        if self.moe_grouped_gemm_implementation is not None:
+            _one_of("--moe-grouped-gemm-implementation", self.moe_grouped_gemm_implementation,
+                    GROUPED_GEMM_IMPLEMENTATIONS)
+            if not self.moe_grouped_gemm:
+                raise ValueError("--moe-grouped-gemm-implementation needs --moe-grouped-gemm")
         _one_of("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
         if (self.moe_router_topk == 1 and self.moe_router_score_function == "softmax"
                 and not self.moe_router_pre_softmax):

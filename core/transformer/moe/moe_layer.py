@@ -76,6 +76,7 @@ class MoELayer(nn.Module):
         if cfg.moe_grouped_gemm:  # every expert holds ep x capacity rows, or on average T x k / E_local
             grouped["window"] = (ep * routing.capacity if routing.capacity is not None
                                  else default_window(s * b * cfg.moe_router_topk, e_local))
+            grouped["implementation"] = cfg.moe_grouped_gemm_implementation
         experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             e_local, self.hidden_size, cfg.moe_ffn_hidden_size, gated_linear_unit=cfg.swiglu,
             bias=cfg.add_bias_linear, sequence_parallel=sp, init_method=self.init_method,
