@@ -1,6 +1,7 @@
 """Activation recompute (``recompute_granularity`` None / "full" / "selective") changes what the
 backward keeps, never the numbers; and in bf16 the embedding lookup's backward scatter-adds in
-fp32 (one process, one simulated device, fp32 at highest matmul precision for the equalities)."""
+fp32, and no training step adds rows in bf16 (one process, simulated devices, fp32 at highest
+matmul precision for the equalities)."""
 
 from __future__ import annotations
 
@@ -102,3 +103,32 @@ def test_bf16_embedding_gradient_is_scatter_added_in_fp32():
     fn, params, batch = _loss_and_grads(None, bf16=True)[2]
     scatters = [e for e in _equations(jax.make_jaxpr(fn)(params, batch).jaxpr) if e.primitive.name == "scatter-add"]
     assert scatters and all(e.outvars[0].aval.dtype == jnp.float32 for e in scatters), scatters
+
+
+_BF16_SCATTER_ADD = re.compile(r"= bf16\[[^\]]*\][^ ]* scatter\((?![^\n]*unique_indices=true)")
+"""A scatter in bf16 without unique indices: adds by atomic compare-and-swap loops on a GPU."""
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                                    ["--context-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]],
+                         ids=["tp2-sp", "cp2", "pp2"])
+def test_bf16_train_step_adds_no_rows_in_bf16(layout):
+    """The whole bf16 training step of ``launch/pretrain.py`` (model, schedule, grad sync, Adam)
+    lowered on 2 devices has no bf16 scatter-add: the embedding's and the MoE layer's were 200x
+    and 100x slower than their fp32 / gathered forms on an H100 (docs/gpu-performance.md)."""
+    from core.training.arguments import parse_args, validate_args
+    from core.training.pretrainer import Pretrainer
+
+    args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+                       "--micro-batch-size", "2", "--global-batch-size", "4", "--bf16", "--train-iters", "2",
+                       "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                       "--no-progress-bar", *layout])
+    shape = validate_args(args, 2)
+    state = ps.build_parallel_state(shape.tensor_model_parallel_size, shape.pipeline_model_parallel_size,
+                                    context_parallel_size=shape.context_parallel_size, devices=jax.devices()[:2])
+    trainer = Pretrainer(args, shape, state)
+    hlo = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch()).as_text(
+        dialect="hlo")
+    assert "all-reduce" in hlo or "collective-permute" in hlo  # the program is the distributed step
+    assert not _BF16_SCATTER_ADD.findall(hlo)

@@ -293,6 +293,9 @@ class DistributedDataParallel:
         ``skipped`` (update skipped because of a NaN/Inf grad, or a large grad or a spiky loss when
         those checks are on; then also ``large_grads`` / ``spiky_loss`` and ``recent_max_loss``).
 
+        The step's ``lower(params, opt_state, batch, ...)`` returns its program lowered without
+        running it (``jax.jit``'s ``Lowered``: its HLO text, ``compile().memory_analysis()``).
+
         ``params`` and ``opt_state`` are donated, updated in place as Megatron's optimizer
         does (without it every step allocates and writes a second copy of the parameters;
         about 1-2% of a step on CPU): use the returned values, and copy the inputs first
@@ -349,7 +352,7 @@ class DistributedDataParallel:
             metric_specs.update(spiky_loss=P(), recent_max_loss=P())
         programs: dict[Any, Callable] = {}
 
-        def jitted(params, opt_state, batch, *rest):
+        def program(batch):
             # One program per batch structure: the specs follow the leaves' ranks (see batch_specs).
             key = (jax.tree.structure(batch), tuple(len(x.shape) for x in jax.tree.leaves(batch)))
             if key not in programs:
@@ -358,12 +361,12 @@ class DistributedDataParallel:
                 fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs)
                                      + state_specs)
                 programs[key] = jax.jit(fn, donate_argnums=(0, 1))
-            return programs[key](params, opt_state, batch, *rest)
+            return programs[key]
 
         dp = self.state.data_parallel_size
         seq_split = self.mesh.shape[sequence_axis] if sequence_axis is not None else 1
 
-        def train_step(params, opt_state, batch, *rest):
+        def check(batch, rest):
             if len(rest) != int(with_rng) + int(with_state):
                 args = ", ".join(["params", "opt_state", "batch"] + ["model_state"] * with_state + ["rng"] * with_rng)
                 raise TypeError(f"this train step takes ({args}) (make_train_step's with_rng={with_rng}, "
@@ -376,10 +379,20 @@ class DistributedDataParallel:
                 if seq_split > 1 and leaf.ndim >= 2 and leaf.shape[1] % seq_split:
                     raise ValueError(f"sequence length {leaf.shape[1]} is not divisible by the {sequence_axis!r} "
                                      f"axis size ({seq_split})")
-            out = jitted(params, opt_state, batch, meta["masks"], *rest)
+
+        def train_step(params, opt_state, batch, *rest):
+            check(batch, rest)
+            out = program(batch)(params, opt_state, batch, meta["masks"], *rest)
             self.params = out[0]  # the donated input is gone; the facade follows the step
             return out
 
+        def lower(params, opt_state, batch, *rest) -> jax.stages.Lowered:
+            """The step's program for these arguments, lowered and not run (``jax.jit``'s
+            ``lower``: ``.as_text()``, ``.compile().memory_analysis()``); nothing is donated."""
+            check(batch, rest)
+            return program(batch).lower(params, opt_state, batch, meta["masks"], *rest)
+
+        train_step.lower = lower
         return train_step
 
     def _microbatch_grads(self, loss_fn, params, batch, num_microbatches, per_token_loss, rng=None,
