@@ -136,6 +136,7 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     saves, loads, plain = [], [], []
     stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": []}
     blocking: dict[str, list[float]] = {"process": [], "thread": []}
+    phases: list[dict[str, float]] = []  # the writer process's saves, timed in the training process
     loader = trainer if one_copy else _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
@@ -154,6 +155,7 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             block, total = _async_stall(trainer, savers[writer], steps)
             blocking[writer].append(block)
             stalls[writer].append(total)
+        phases.append(savers["process"].write_phases)
         if one_copy:
             continue
         default_interval = sys.getswitchinterval()
@@ -180,7 +182,23 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": ms(blocking["process"]), "blocking_ms_thread": ms(blocking["thread"]),
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
-            "stall_share_thread_fast_switch": share(stalls["fast"])}
+            "stall_share_thread_fast_switch": share(stalls["fast"]),
+            "writer_phases_ms": {k: statistics.median(p[k] for p in phases) * 1e3 for k in PHASES}}
+
+
+PHASES = ("plan", "snapshot", "to_host", "writer", "thread_cpu")
+"""``CheckpointSaver.write_phases``' keys, in the order of :func:`phases_table`'s columns."""
+
+
+def phases_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of the writer process's saves on the training process's side (median
+    ms per phase): the background thread's work, which a dispatch-bound loop may feel."""
+    lines = ["| model | describe the state | wait for the snapshot | device to host + shared buffer "
+             "| writer: write and commit | the thread's CPU time |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["writer_phases_ms"]
+        lines.append(f"| {r['model']} | " + " | ".join(f"{p[k]:.2f} ms" for k in PHASES) + " |")
+    return "\n".join(lines)
 
 
 def memory(trainer: Any, loader: Any) -> dict[str, float]:
@@ -270,7 +288,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory() as workdir:
             rows.append(measure(flags, a.devices, steps, reps, workdir, a.trace_dir if i == 0 else None, a.one_copy))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
-    text = f"{table(rows)}\n\nMemory per device:\n\n{memory_table(rows)}"
+    text = (f"{table(rows)}\n\nMemory per device:\n\n{memory_table(rows)}\n\n"
+            f"The writer process's saves in the training process (median):\n\n{phases_table(rows)}")
     print(text)
     if not a.quick and a.model_flags is None and not a.free_cores:
         Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")

@@ -491,9 +491,11 @@ def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> 
     stall, thread = rows[0]["stall_share"], rows[0]["stall_share_thread"]
     verdict = "met" if stall <= STALL_TARGET else "NOT met"
     with_thread = "" if thread is None else f"; {thread:.0%} with the writer thread"
-    return lines + [_bench_checkpoint().table(rows), "",
+    bench = _bench_checkpoint()
+    return lines + [bench.table(rows), "",
                     f"Async-save stall, {label}: **{stall:.0%}** of a step with the writer process ({verdict})"
-                    f"{with_thread}", ""]
+                    f"{with_thread}", "", "The writer process's saves in the training process (median):", "",
+                    bench.phases_table(rows), ""]
 
 
 def report(info: dict, tests: dict | None, attention: dict | None, attention_shape, gpt: dict | None,

@@ -530,6 +530,12 @@ class CheckpointSaver:
             weakref.finalize(self, self._thread.stop)  # a saver dropped without close() ends it too
         self._thread.submit(write, self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
 
+    @property
+    def write_phases(self) -> dict[str, float]:
+        """The writer process's last save, timed on this process's side by phase (seconds;
+        :attr:`core.checkpoint_writer.WriterProcess.phases`); empty without one."""
+        return dict(self._process.phases) if self._process is not None else {}
+
     def wait(self) -> None:
         """Wait for the save in flight (if any) to be committed; raise its error, if it failed
         (``OSError`` or ``ValueError`` as the write reported it; another kind wrapped in

@@ -25,3 +25,6 @@ def test_checkpoint_row_is_sane(tmp_path):
         assert math.isfinite(row[key]) and row[key] >= 0, key
     assert row["copy_mib"] < row["state_mib"]  # split over the 2 data-parallel ranks
     assert f"| {row['dp']} |" in bench_checkpoint.memory_table([row])
+    phases = row["writer_phases_ms"]  # the writer process's save, timed in the training process
+    assert set(phases) == set(bench_checkpoint.PHASES) and all(v >= 0 for v in phases.values())
+    assert phases["writer"] > 0 and bench_checkpoint.phases_table([row]).count("ms |") == len(phases)

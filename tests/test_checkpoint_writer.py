@@ -106,6 +106,10 @@ def test_one_writer_serves_the_saves_one_at_a_time_and_its_buffer_grows(tmp_path
         saver.save(step, _state(step, rows), {"iteration": step})
         assert set(range(1, step)) <= set(complete_steps(directory))  # the previous save was waited for
         pids.append(saver._process.pid)
+    saver.wait()
+    phases = saver.write_phases  # the last save, timed on this side
+    assert set(phases) == {"plan", "snapshot", "to_host", "writer", "thread_cpu"} and phases["writer"] > 0
+    assert CheckpointSaver(str(tmp_path / "other")).write_phases == {}  # no writer process yet
     saver.close()
     assert len(set(pids)) == 1
     assert complete_steps(directory) == [1, 2, 3] and all(verify_checkpoint(directory, s) is None for s in (1, 2, 3))
