@@ -132,15 +132,14 @@ def _describe_sharding(sharding: Any, ordinals: dict) -> tuple:
                     f"not {type(sharding).__name__}")
 
 
-def _plan(state: Any, ordinals: dict) -> tuple[Any, list[tuple[int, int, int]], int]:
-    """``(tree, copies, size)``: ``state`` with each ``jax.Array`` replaced by a
-    :class:`_ShardedArray`; for each distinct local shard, (leaf number among ``state``'s leaves,
-    its position among the leaf's addressable shards, byte offset); the buffer size they need.
-    It depends only on the leaves' shapes, dtypes and shardings (see :func:`_plan_key`)."""
+def _plan(leaves: list, treedef: Any, ordinals: dict) -> tuple[Any, list[tuple[int, int, int]], int]:
+    """``(tree, copies, size)``: the state (``leaves`` of ``treedef``) with each ``jax.Array``
+    replaced by a :class:`_ShardedArray`; for each distinct local shard, (leaf number, its position
+    among the leaf's addressable shards, byte offset); the buffer size they need. It depends only
+    on the leaves' shapes, dtypes and shardings (see :func:`_plan_key`)."""
     import jax
 
     copies, size = [], 0
-    leaves, treedef = jax.tree.flatten(state)
 
     def describe(number: int, leaf: Any) -> Any:
         nonlocal size
@@ -161,11 +160,10 @@ def _plan(state: Any, ordinals: dict) -> tuple[Any, list[tuple[int, int, int]], 
     return jax.tree.unflatten(treedef, [describe(i, x) for i, x in enumerate(leaves)]), copies, size
 
 
-def _plan_key(state: Any) -> tuple | None:
+def _plan_key(leaves: list, treedef: Any) -> tuple | None:
     """What :func:`_plan` depends on, when every leaf is a ``jax.Array`` (else None: not cached)."""
     import jax
 
-    leaves, treedef = jax.tree.flatten(state)
     if not all(isinstance(x, jax.Array) for x in leaves):
         return None
     return treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves)
@@ -212,7 +210,7 @@ class WriterProcess:
         self._buffer: mmap.mmap | None = None
         self.startup_s: float | None = None
         """Seconds the writer took to start (import JAX, join its job), once it has."""
-        self._plans: dict[tuple, tuple] = {}  # _plan's result by _plan_key: the same state every save
+        self._last_plan: tuple[tuple | None, tuple | None] = (None, None)  # (_plan_key, _plan) of the last save
         self.phases: dict[str, float] = {}
         """The last :meth:`write`'s seconds on this (training) process's side: ``plan`` (describe
         the state), ``snapshot`` (wait for its values), ``to_host`` (device-to-host copies into
@@ -281,15 +279,14 @@ class WriterProcess:
             clock.append(time.perf_counter())
             phases[name] = clock[-1] - clock[-2]
 
-        key = _plan_key(state)
-        if key is None or key not in self._plans:
+        leaves, treedef = jax.tree.flatten(state)
+        key = _plan_key(leaves, treedef)
+        if key is None or key != self._last_plan[0]:
             # Describing the shards is Python per leaf (0.8 ms of a tiny model's save on this
-            # thread, which a dispatch-bound training loop waits for): once per state layout.
-            self._plans = {} if len(self._plans) > 3 else self._plans
-            planned = _plan(state, self._devices)
-            self._plans.update({} if key is None else {key: planned})
-        tree, entries, size = self._plans[key] if key is not None else planned
-        leaves = jax.tree.leaves(state)
+            # thread, which a dispatch-bound training loop waits for): once per state layout,
+            # and a training run saves the same state every time.
+            self._last_plan = (key, _plan(leaves, treedef, self._devices))
+        tree, entries, size = self._last_plan[1]
         copies = [(leaves[number].addressable_shards[position].data, offset) for number, position, offset in entries]
         self._ensure_buffer(size)
         phase("plan")

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_checks import bf16_scatter_adds
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -560,10 +560,6 @@ def test_grouped_gemm_implementation_flag_picks_the_experts_program(implementati
     assert ("ragged_dot" in jaxpr) == (implementation == "ragged_dot")
 
 
-# A scatter that adds in bf16 (atomic compare-and-swap loops on a GPU); unique indices need no atomics.
-_BF16_SCATTER_ADD = re.compile(r"= bf16\[[^\]]*\][^ ]* scatter\((?![^\n]*unique_indices=true)")
-
-
 @pytest.mark.parametrize("ep", [1, 2])
 @pytest.mark.parametrize("name,overrides", [(name, ()) for name in CONFIGS]
                          + [("softmax_swiglu_shared", (("moe_token_dispatcher_type", "allgather"),))])
@@ -578,7 +574,7 @@ def test_bf16_layer_backward_adds_no_rows_in_bf16(monkeypatch, name, overrides, 
     x, w = (a.astype(jnp.bfloat16) for a in _inputs())
     hlo = fn.lower(params, x, w, jnp.ones(state.world_size)).as_text(dialect="hlo")
     assert "scatter(" in hlo or "ragged" in hlo  # the program is the layer's
-    assert not _BF16_SCATTER_ADD.findall(hlo), _BF16_SCATTER_ADD.findall(hlo)
+    assert not bf16_scatter_adds(hlo), bf16_scatter_adds(hlo)
 
 
 @pytest.mark.parametrize("sizes,window", [((3, 0, 7, 2), None), ((3, 0, 7, 2), 2), ((0, 20, 0, 0), 4),

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hlo_checks import bf16_scatter_adds
 from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import PartitionSpec as P
 
@@ -105,10 +106,6 @@ def test_bf16_embedding_gradient_is_scatter_added_in_fp32():
     assert scatters and all(e.outvars[0].aval.dtype == jnp.float32 for e in scatters), scatters
 
 
-_BF16_SCATTER_ADD = re.compile(r"= bf16\[[^\]]*\][^ ]* scatter\((?![^\n]*unique_indices=true)")
-"""A scatter in bf16 without unique indices: adds by atomic compare-and-swap loops on a GPU."""
-
-
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                                     ["--context-parallel-size", "2"],
                                     ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8"]],
@@ -131,4 +128,4 @@ def test_bf16_train_step_adds_no_rows_in_bf16(layout):
     hlo = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch()).as_text(
         dialect="hlo")
     assert "all-reduce" in hlo or "collective-permute" in hlo  # the program is the distributed step
-    assert not _BF16_SCATTER_ADD.findall(hlo)
+    assert not bf16_scatter_adds(hlo)
