@@ -21,9 +21,10 @@ and measures, side by side in one run:
   cores with the writer). Measured side by side for the writer process (the default of
   ``--async-save``) and the writer thread (``--async-save-writer thread``, which also shares the
   GIL), the thread again with a 0.5 ms GIL switch interval (Python's default is 5 ms: the loop
-  waits up to that long each time it needs the GIL while the writer holds it). The blocking
-  part is reported too. ``--trace-dir`` traces one more async save (writer process) of the
-  first model and its steps;
+  waits up to that long each time it needs the GIL while the writer holds it); on a GPU also the
+  writer process with its device-to-host copies into pageable memory instead of pinned (the
+  default there, as orbax's). The blocking part is reported too. ``--trace-dir`` traces one
+  more async save (writer process) of the first model and its steps;
 * **memory per device** (XLA's ``memory_analysis``, deterministic): the distributed optimizer's
   state, the save's copy and its program's temporaries, a load's temporaries, and the whole
   optimizer state for scale (``--devices 8`` for dp 8).
@@ -128,15 +129,20 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     sync_dir = os.path.join(workdir, "sync")
     trainer._saver = CheckpointSaver(sync_dir, max_to_keep=keep, async_save=False)  # as Pretrainer.save makes it
     trainer.save(sync_dir)  # compiles the gather program
+    # On a GPU also the writer process without pinned host staging (its device-to-host copies
+    # into pageable memory), side by side: the default there stages them, as orbax does.
     writers = ("process",) if one_copy else ("process", "thread")
-    savers = {w: CheckpointSaver(os.path.join(workdir, w), max_to_keep=keep, async_save=True, writer=w)
+    writers += ("pageable",) if jax.default_backend() == "gpu" else ()
+    savers = {w: CheckpointSaver(os.path.join(workdir, w), max_to_keep=keep, async_save=True,
+                                 writer="process" if w == "pageable" else w,
+                                 pinned_host_transfer=False if w == "pageable" else None)
               for w in writers}
     for saver in savers.values():  # starts the writer process (its first save waits for it)
         _async_stall(trainer, saver, 1)
     saves, loads, plain = [], [], []
-    stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": []}
-    blocking: dict[str, list[float]] = {"process": [], "thread": []}
-    phases: list[dict[str, float]] = []  # the writer process's saves, timed in the training process
+    stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": [], "pageable": []}
+    blocking: dict[str, list[float]] = {"process": [], "thread": [], "pageable": []}
+    phases: dict[str, list[dict[str, float]]] = {"process": [], "pageable": []}  # timed in the training process
     loader = trainer if one_copy else _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
@@ -155,7 +161,8 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             block, total = _async_stall(trainer, savers[writer], steps)
             blocking[writer].append(block)
             stalls[writer].append(total)
-        phases.append(savers["process"].write_phases)
+        for writer in set(writers) & set(phases):
+            phases[writer].append(savers[writer].write_phases)
         if one_copy:
             continue
         default_interval = sys.getswitchinterval()
@@ -182,8 +189,10 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": ms(blocking["process"]), "blocking_ms_thread": ms(blocking["thread"]),
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
-            "stall_share_thread_fast_switch": share(stalls["fast"]),
-            "writer_phases_ms": {k: statistics.median(p[k] for p in phases) * 1e3 for k in PHASES}}
+            "stall_share_thread_fast_switch": share(stalls["fast"]), "stall_share_pageable": share(stalls["pageable"]),
+            "writer_phases_ms": {k: statistics.median(p[k] for p in phases["process"]) * 1e3 for k in PHASES},
+            "writer_phases_ms_pageable": {k: statistics.median(p[k] for p in phases["pageable"]) * 1e3
+                                          for k in PHASES} if phases["pageable"] else None}
 
 
 PHASES = ("plan", "snapshot", "to_host", "writer", "thread_cpu")
@@ -196,8 +205,10 @@ def phases_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | describe the state | wait for the snapshot | device to host + shared buffer "
              "| writer: write and commit | the thread's CPU time |", "|---|---|---|---|---|---|"]
     for r in rows:
-        p = r["writer_phases_ms"]
-        lines.append(f"| {r['model']} | " + " | ".join(f"{p[k]:.2f} ms" for k in PHASES) + " |")
+        for label, p in ((r["model"], r["writer_phases_ms"]),
+                         (f"{r['model']}, pageable", r.get("writer_phases_ms_pageable"))):
+            if p is not None:
+                lines.append(f"| {label} | " + " | ".join(f"{p[k]:.2f} ms" for k in PHASES) + " |")
     return "\n".join(lines)
 
 
@@ -239,13 +250,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     pct = lambda x: "-" if x is None else f"{x:.0%}"
     num = lambda x: "-" if x is None else f"{x:.0f}"
     lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking "
-             "(process / thread) | async stall / step: writer process | writer thread | thread, GIL switch 0.5 ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(process / thread) | async stall / step: writer process | writer thread | thread, GIL switch 0.5 ms "
+             "| writer process, pageable copies (GPU) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['state_mib']:.1f} MiB | {r['disk_mib']:.1f} MiB "
                      f"| {r['save_s']:.2f} s | {r['load_s']:.2f} s | {r['step_ms']:.0f} ms "
                      f"| {num(r['blocking_ms'])} / {num(r['blocking_ms_thread'])} ms | {pct(r['stall_share'])} "
-                     f"| {pct(r['stall_share_thread'])} | {pct(r['stall_share_thread_fast_switch'])} |")
+                     f"| {pct(r['stall_share_thread'])} | {pct(r['stall_share_thread_fast_switch'])} "
+                     f"| {pct(r.get('stall_share_pageable'))} |")
     return "\n".join(lines)
 
 

@@ -12,8 +12,9 @@ asynchronous save. The writers form their own ``jax.distributed`` job on the CPU
 process ``i``'s writer is process ``i`` there, with as many CPU devices as process ``i``
 drives. So every global array of the training state has a twin in the writers' job: the same
 global shape and sharding, each device's shard held by the writer of the process that holds
-it. A save copies the process's shards (one per distinct index) into a shared-memory buffer
-(``memfd``, mapped by both processes; the copies run outside the GIL) and sends the pytree,
+it. A save copies the process's shards (one per distinct index; on GPUs staged in pinned host
+memory, as orbax stages its transfers there) into a shared-memory buffer (``memfd``, mapped by
+both processes; the copies run outside the GIL) and sends the pytree,
 its arrays replaced by their descriptions, through a socket. The writer wraps the buffer's
 shards as CPU arrays of its twin devices and runs :func:`core.checkpointing._write_step`, the
 same sequence (shards, barriers, commit marker, integrity record, retention) a synchronous
@@ -27,6 +28,7 @@ the next save; a writer that died is reported as ``OSError`` naming its exit sta
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import pickle
@@ -48,6 +50,8 @@ WRITER_NICE = 19
 
 ALIGNMENT = 64
 """Byte alignment of each shard in the shared buffer (so the writer's CPU arrays may alias it)."""
+
+logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")  # the byte length of the pickled message that follows
 
@@ -174,6 +178,33 @@ def _plan_key(leaves: list, treedef: Any) -> tuple | None:
 # ---------------------------------------------------------------------------------------
 
 
+def _to_host(sources: list, pinned_host: bool) -> list:
+    """Start the device-to-host copies of ``sources`` (single-device arrays), all in flight
+    before the caller's first wait; the arrays to read them from with ``np.asarray``.
+
+    ``pinned_host`` (where the device has a ``pinned_host`` memory): one batched ``device_put``
+    into pinned (page-locked) host memory, as orbax stages its own transfers on GPUs
+    (``enable_pinned_host_transfer``, on by default there): a DMA the GPU's copy engines run at
+    the link's speed. Otherwise each array's ``copy_to_host_async``: on a GPU a copy into
+    pageable memory, which the driver stages through its own pinned buffers; on the CPU backend
+    the values are host memory already."""
+    import jax
+
+    def pinned(device: Any) -> bool:
+        return pinned_host and any(m.kind == "pinned_host" for m in device.addressable_memories())
+
+    staged = [i for i, x in enumerate(sources) if pinned(next(iter(x.devices())))]
+    out = list(sources)
+    if staged:
+        puts = jax.device_put([sources[i] for i in staged],
+                              [sources[i].sharding.with_memory_kind("pinned_host") for i in staged])
+        for i, put in zip(staged, puts):
+            out[i] = put
+    for i in sorted(set(range(len(sources))).difference(staged)):
+        sources[i].copy_to_host_async()
+    return out
+
+
 def coordinator_address() -> str:
     """``host:port`` for the writers' job (process 0 proposes it): this host (or
     ``JAX_COORDINATOR_IP``) and a free port, as :func:`core.cluster.coordinator_address` picks
@@ -190,7 +221,7 @@ class WriterProcess:
     killed when the thread that started it ends (``PR_SET_PDEATHSIG``).
     """
 
-    def __init__(self, coordinator_address: str | None, lowest_priority: bool):
+    def __init__(self, coordinator_address: str | None, lowest_priority: bool, pinned_host_transfer: bool = False):
         import jax
 
         import core
@@ -211,6 +242,9 @@ class WriterProcess:
         self.startup_s: float | None = None
         """Seconds the writer took to start (import JAX, join its job), once it has."""
         self._last_plan: tuple[tuple | None, tuple | None] = (None, None)  # (_plan_key, _plan) of the last save
+        self.pinned_host_transfer = pinned_host_transfer
+        """Stage the device-to-host copies in pinned host memory (orbax's
+        ``enable_pinned_host_transfer``; see :func:`_to_host`)."""
         self.phases: dict[str, float] = {}
         """The last :meth:`write`'s seconds on this (training) process's side: ``plan`` (describe
         the state), ``snapshot`` (wait for its values), ``to_host`` (device-to-host copies into
@@ -292,15 +326,25 @@ class WriterProcess:
         phase("plan")
         # Wait for the snapshot first (outside the GIL): a host transfer started on a buffer not
         # yet computed would hold one of XLA's CPU threads, which a step's collective may need.
-        jax.block_until_ready([source for source, _ in copies])
+        sources = [source for source, _ in copies]
+        jax.block_until_ready(sources)
         phase("snapshot")
-        for source, _ in copies:
-            source.copy_to_host_async()  # all transfers in flight before the first wait
+        try:
+            transfers = _to_host(sources, self.pinned_host_transfer)
+        except Exception as e:  # pinned host memory unsupported or exhausted: pageable copies still work
+            if not self.pinned_host_transfer:
+                raise
+            logger.warning("checkpoint: staging in pinned host memory failed (%s: %s); device-to-host copies "
+                           "go to pageable memory from now on", type(e).__name__, e)
+            self.pinned_host_transfer = False
+            transfers = _to_host(sources, False)
+        del sources
         buffer = np.frombuffer(self._buffer, dtype=np.uint8)
-        for source, offset in copies:
-            host = np.asarray(source)  # waits for this transfer (outside the GIL)
+        for i, (_, offset) in enumerate(copies):
+            host = np.asarray(transfers[i])  # waits for this transfer (outside the GIL)
+            transfers[i] = None  # a staging buffer is freed once copied
             buffer[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
-        del buffer  # no export of the mapping left: a later, larger buffer may replace it
+        del buffer, host  # no export of the mapping left: a later, larger buffer may replace it
         phase("to_host")
         self._send(("save", directory, step, tree, metadata, max_to_keep, save_id))
         answer = self._receive()

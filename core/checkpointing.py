@@ -481,7 +481,7 @@ class CheckpointSaver:
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = DEFAULT_MAX_TO_KEEP,
-                 async_save: bool = False, writer: str | None = None):
+                 async_save: bool = False, writer: str | None = None, pinned_host_transfer: bool | None = None):
         self.directory = os.path.abspath(directory)
         """Where the step directories go."""
         self.max_to_keep = max_to_keep
@@ -494,6 +494,11 @@ class CheckpointSaver:
         """What writes an asynchronous save: ``"process"`` (a writer process per training
         process, :mod:`core.checkpoint_writer`; the default on Linux) or ``"thread"`` (a thread
         of the training process, which shares its GIL)."""
+        self.pinned_host_transfer = jax.default_backend() == "gpu" if pinned_host_transfer is None \
+            else pinned_host_transfer
+        """The writer process's device-to-host copies go through pinned host memory (default:
+        on GPUs, as orbax's ``enable_pinned_host_transfer``, which the writer thread's and the
+        synchronous saves' orbax handler applies itself)."""
         self._thread: _SaveThread | None = None
         self._process: checkpoint_writer.WriterProcess | None = None
 
@@ -523,7 +528,8 @@ class CheckpointSaver:
             if self._process is None:  # started here, on the caller's (main) thread: see WriterProcess
                 address = _from_process_0("writer_address", checkpoint_writer.coordinator_address) \
                     if jax.process_count() > 1 else None
-                self._process = checkpoint_writer.WriterProcess(address, jax.default_backend() == "cpu")
+                self._process = checkpoint_writer.WriterProcess(address, jax.default_backend() == "cpu",
+                                                                self.pinned_host_transfer)
             write = self._process.write
         if self._thread is None:
             self._thread = _SaveThread()

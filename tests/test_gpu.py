@@ -155,8 +155,9 @@ def test_moe_bf16_pretraining_learns():
 
 
 def test_async_save_by_the_writer_process_holds_the_gpu_values(tmp_path):
-    """The writer process copies GPU shards (device to host, into its shared buffer) and writes
-    them from its CPU twin job; the training process's arrays are donated meanwhile."""
+    """The writer process copies GPU shards (device to pinned host memory, as orbax stages its
+    copies on GPUs, then into its shared buffer) and writes them from its CPU twin job; the
+    training process's arrays are donated meanwhile."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -168,9 +169,11 @@ def test_async_save_by_the_writer_process_holds_the_gpu_values(tmp_path):
     state = {"w": jax.device_put(host, NamedSharding(mesh, P("x"))),
              "b": jax.device_put(jnp.ones(64, jnp.bfloat16), NamedSharding(mesh, P()))}
     saver = CheckpointSaver(str(tmp_path), async_save=True)
-    assert saver.writer == "process"
+    assert saver.writer == "process" and saver.pinned_host_transfer
     saver.save(1, state, {"iteration": 1})
     jax.block_until_ready(jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t), donate_argnums=0)(state))
+    saver.wait()
+    assert saver._process.pinned_host_transfer  # the staging did not fall back to pageable copies
     saver.close()
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}
     restored, meta = restore_checkpoint(str(tmp_path), 1, target)
