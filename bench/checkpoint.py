@@ -248,7 +248,7 @@ def memory_table(rows: list[dict[str, Any]]) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of :func:`measure`'s rows ("-": not measured, ``one_copy``)."""
     pct = lambda x: "-" if x is None else f"{x:.0%}"
-    num = lambda x: "-" if x is None else f"{x:.0f}"
+    num = lambda x: "-" if x is None else f"{x:.0f}" if x >= 10 else f"{x:.2f}"
     lines = ["| model | params | params + Adam | on disk | save (sync) | load | step | async save: blocking "
              "(process / thread) | async stall / step: writer process | writer thread | thread, GIL switch 0.5 ms "
              "| writer process, pageable copies (GPU) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

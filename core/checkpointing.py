@@ -62,6 +62,8 @@ META_ITEM = "meta"
 # stores, into the final dir as the very last write).
 COMMIT_MARKER = "commit_success.txt"
 DEFAULT_MAX_TO_KEEP = 2
+_UNKNOWN = object()  # CheckpointSaver's newest step, not known yet
+
 ASYNC_WRITERS = ("process", "thread")
 """What may write an asynchronous save (:class:`CheckpointSaver`'s ``writer``)."""
 # Size and CRC-32 of every file of a step, written by process 0 right before the commit marker.
@@ -501,6 +503,11 @@ class CheckpointSaver:
         synchronous saves' orbax handler applies itself)."""
         self._thread: _SaveThread | None = None
         self._process: checkpoint_writer.WriterProcess | None = None
+        # The newest step in the directory once this saver has looked (its own last save after
+        # that): the next save checks against it without listing the directory, a listing that
+        # an async save's blocking part would spend on the step loop. Unknown (_UNKNOWN) at first
+        # and after a failed save, whose leftovers the next save then removes.
+        self._latest: int | None | object = _UNKNOWN
 
     def save(self, step: int, state: Any, metadata: dict, copy: bool = True) -> None:
         """Save ``state`` (a pytree of global arrays, numpy arrays, python scalars) and
@@ -511,17 +518,21 @@ class CheckpointSaver:
         copy). Raises ``ValueError`` if ``step`` is not newer than the latest complete
         checkpoint."""
         self.wait()
-        last = latest_step(self.directory)
+        if self._latest is _UNKNOWN:
+            _remove_incomplete_steps(self.directory)
+            self._latest = latest_step(self.directory)
+        last = self._latest
         if last is not None and step <= last:
             raise ValueError(
                 f"cannot save step {step} in {self.directory!r}: it is not newer than the latest checkpoint {last}"
             )
-        _remove_incomplete_steps(self.directory)
         snapshot = _snapshot(state) if copy else state
         metadata = json.loads(json.dumps(metadata))
         save_id = next(_collective_ids)
+        self._latest = _UNKNOWN  # until the write is known to have committed
         if not self.async_save:
             _write_step(self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
+            self._latest = step
             return
         write = _write_step
         if self.writer == "process":
@@ -535,6 +546,7 @@ class CheckpointSaver:
             self._thread = _SaveThread()
             weakref.finalize(self, self._thread.stop)  # a saver dropped without close() ends it too
         self._thread.submit(write, self.directory, step, snapshot, metadata, self.max_to_keep, save_id)
+        self._latest = step  # wait() forgets it if the write fails
 
     @property
     def write_phases(self) -> dict[str, float]:
@@ -549,6 +561,7 @@ class CheckpointSaver:
         error = None if self._thread is None else self._thread.result()
         if error is None:
             return
+        self._latest = _UNKNOWN
         if self._process is not None and not self._process.alive:  # the next save starts a new one
             self._process.close()
             self._process = None

@@ -355,6 +355,35 @@ def test_async_write_error_is_raised_by_the_next_save_and_nothing_is_committed(c
     assert sorted(os.listdir(ckdir)) == ["1", "4"]
 
 
+def test_a_saver_lists_its_directory_at_the_first_save_and_after_a_failed_one(ckdir, monkeypatch):
+    """The directory check and clean-up (a listing each) run on the step loop in an async save's
+    blocking part: once, then the saver knows the newest step (its own) until a save fails."""
+    listings, latest_step = [], checkpointing.latest_step
+
+    def listing(directory):
+        listings.append(directory)
+        return latest_step(directory)
+
+    monkeypatch.setattr(checkpointing, "latest_step", listing)
+    _save(ckdir, 1)
+    saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
+    for step in (2, 3):
+        saver.save(step, _put(_values(step), _shardings_saved()), {"iteration": step})
+    saver.wait()
+    assert len(listings) == 2  # _save's own saver, then this one's first save
+    with pytest.raises(ValueError, match="cannot save step 3.*latest checkpoint 3"):  # known without a listing
+        saver.save(3, _put(_values(3), _shardings_saved()), {"iteration": 3})
+    assert len(listings) == 2
+    with monkeypatch.context() as m:
+        m.setattr(checkpointing.ocp, "PyTreeCheckpointHandler", _FailingHandler)
+        saver.save(4, _put(_values(4), _shardings_saved()), {"iteration": 4})
+        with pytest.raises(OSError, match="No space left"):
+            saver.wait()
+    saver.save(5, _put(_values(5), _shardings_saved()), {"iteration": 5})  # looks again, clears step 4's tmp dir
+    saver.close()
+    assert len(listings) == 3 and sorted(os.listdir(ckdir)) == ["3", "5"]
+
+
 def test_arrays_are_stored_uncompressed_and_compressed_checkpoints_still_load(ckdir, monkeypatch):
     """No zstd (it saved 7% of real weights' bytes for as much CPU as the rest of a write): an
     array of zeros takes its full size on disk. Checkpoints written with zstd (before

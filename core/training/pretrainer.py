@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import math
 import os
 import time
@@ -356,6 +357,7 @@ class Pretrainer:
         self.skipped_checkpoints: list[str] = []
         self._saver: checkpointing.CheckpointSaver | None = None
         self._checkpoint_copy: Callable | None = None
+        self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.opt_state = self.ddp.init_optimizer(self.params)
@@ -500,9 +502,10 @@ class Pretrainer:
         data position, seed, layout and model shape. The arrays are new ones, computed by one
         jitted program (dispatched, not waited for): the next training step may update or donate
         the trainer's own."""
+        if self._checkpoint_records is None:  # built once: an async save's blocking part is on the step loop
+            self._checkpoint_records = json.dumps({"layout": self.layout_record(), "model": self.model_record()})
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, "layout": self.layout_record(), "model": self.model_record(),
-                "optimizer_format": OPTIMIZER_FORMAT}
+                "seed": self.args.seed, **json.loads(self._checkpoint_records), "optimizer_format": OPTIMIZER_FORMAT}
         if self._checkpoint_copy is None:
             self._checkpoint_copy = self._make_checkpoint_copy()
         state = self._checkpoint_copy(self.params, self.opt_state, self.moe_state)
