@@ -145,7 +145,7 @@ def test_a_failed_pinned_staging_falls_back_to_pageable_copies(tmp_path, monkeyp
     state = _state(5)
     directory = str(tmp_path / "ckpt")
     saver = CheckpointSaver(directory, async_save=True, pinned_host_transfer=True)
-    monkeypatch.setattr(checkpoint_writer, "_pinned_copy", lambda shardings: refuse)
+    monkeypatch.setattr(jax, "device_put", refuse)  # the save stages through jax.device_put only
     saver.save(5, state, {"iteration": 5})
     saver.wait()
     monkeypatch.undo()
