@@ -195,15 +195,15 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
                                           for k in PHASES} if phases["pageable"] else None}
 
 
-PHASES = ("plan", "snapshot", "to_host", "writer", "thread_cpu")
+PHASES = ("plan", "snapshot", "to_host", "shared_buffer", "writer", "thread_cpu")
 """``CheckpointSaver.write_phases``' keys, in the order of :func:`phases_table`'s columns."""
 
 
 def phases_table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of the writer process's saves on the training process's side (median
     ms per phase): the background thread's work, which a dispatch-bound loop may feel."""
-    lines = ["| model | describe the state | wait for the snapshot | device to host + shared buffer "
-             "| writer: write and commit | the thread's CPU time |", "|---|---|---|---|---|---|"]
+    lines = ["| model | describe the state | wait for the snapshot | device to host | into the shared buffer "
+             "| writer: write and commit | the thread's CPU time |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         for label, p in ((r["model"], r["writer_phases_ms"]),
                          (f"{r['model']}, pageable", r.get("writer_phases_ms_pageable"))):

@@ -252,9 +252,10 @@ class WriterProcess:
         ``enable_pinned_host_transfer``; see :func:`_to_host`)."""
         self.phases: dict[str, float] = {}
         """The last :meth:`write`'s seconds on this (training) process's side: ``plan`` (describe
-        the state), ``snapshot`` (wait for its values), ``to_host`` (device-to-host copies into
-        the shared buffer), ``writer`` (the writer's write and commit), and ``thread_cpu`` (the
-        CPU time of the thread that ran it: what may contend with the training loop)."""
+        the state), ``snapshot`` (wait for its values), ``to_host`` (start the device-to-host
+        copies and wait for them), ``shared_buffer`` (copy them into the shared buffer),
+        ``writer`` (the writer's write and commit), and ``thread_cpu`` (the CPU time of the
+        thread that ran it: what may contend with the training loop)."""
 
     @property
     def pid(self) -> int:
@@ -345,13 +346,17 @@ class WriterProcess:
             self.pinned_host_transfer = False
             transfers = _to_host(sources, False)
         del sources
-        buffer = np.frombuffer(self._buffer, dtype=np.uint8)
+        buffer, fill = np.frombuffer(self._buffer, dtype=np.uint8), 0.0
         for i, (_, offset) in enumerate(copies):
             host = np.asarray(transfers[i])  # waits for this transfer (outside the GIL)
             transfers[i] = None  # a staging buffer is freed once copied
+            start = time.perf_counter()
             buffer[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
-        del buffer, host  # no export of the mapping left: a later, larger buffer may replace it
+            fill += time.perf_counter() - start
+        del buffer  # no export of the mapping left: a later, larger buffer may replace it
         phase("to_host")
+        phases["to_host"] -= fill
+        phases["shared_buffer"] = fill
         self._send(("save", directory, step, tree, metadata, max_to_keep, save_id))
         answer = self._receive()
         phase("writer")

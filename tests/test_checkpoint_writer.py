@@ -108,11 +108,16 @@ def test_one_writer_serves_the_saves_one_at_a_time_and_its_buffer_grows(tmp_path
         pids.append(saver._process.pid)
     saver.wait()
     phases = saver.write_phases  # the last save, timed on this side
-    assert set(phases) == {"plan", "snapshot", "to_host", "writer", "thread_cpu"} and phases["writer"] > 0
+    assert set(phases) == {"plan", "snapshot", "to_host", "shared_buffer", "writer", "thread_cpu"}
+    assert phases["writer"] > 0 and phases["shared_buffer"] > 0 and min(phases.values()) >= 0
     assert CheckpointSaver(str(tmp_path / "other")).write_phases == {}  # no writer process yet
+    saver.save(4, {"host": np.arange(3), "iteration": 4}, {"iteration": 4})  # no device array at all
     saver.close()
     assert len(set(pids)) == 1
-    assert complete_steps(directory) == [1, 2, 3] and all(verify_checkpoint(directory, s) is None for s in (1, 2, 3))
+    assert complete_steps(directory) == [1, 2, 3, 4] and all(verify_checkpoint(directory, s) is None
+                                                             for s in (1, 2, 3, 4))
+    np.testing.assert_array_equal(restore_checkpoint(directory, 4, {"host": np.zeros(3, np.int64), "iteration": 0})
+                                  [0]["host"], np.arange(3))
     for step, rows in ((1, 16), (3, 1 << 16)):
         restored, _ = restore_checkpoint(directory, step, _target(_state(step, rows)))
         _assert_equal(restored, _state(step, rows))
