@@ -184,8 +184,8 @@ def _to_host(sources: list, pinned_host: bool) -> list:
 
     ``pinned_host`` (where the device has a ``pinned_host`` memory): one batched ``device_put``
     into pinned (page-locked) host memory, as orbax stages its own transfers on GPUs
-    (``enable_pinned_host_transfer``, on by default there): a DMA at the link's speed, on a
-    stream of its own. (A jitted identity with outputs in pinned memory dispatches faster, 0.2-0.3
+    (``enable_pinned_host_transfer``, on by default there): a DMA at the link's speed, outside
+    the steps' programs. (A jitted identity with outputs in pinned memory dispatches faster, 0.2-0.3
     against 1.5-4.5 ms for 50 arrays on the AVX2 VM, but its copies would run inside a program
     on the training steps' stream, so in series with the steps: about half a second for the
     ~1.2B GPT's 14.5 GB at PCIe speed.)
