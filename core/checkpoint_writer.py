@@ -333,27 +333,17 @@ class WriterProcess:
         phase("plan")
         # Wait for the snapshot first (outside the GIL): a host transfer started on a buffer not
         # yet computed would hold one of XLA's CPU threads, which a step's collective may need.
-        sources = [source for source, _ in copies]
-        jax.block_until_ready(sources)
+        jax.block_until_ready([source for source, _ in copies])
         phase("snapshot")
         try:
-            transfers = _to_host(sources, self.pinned_host_transfer)
+            fill = self._copy_to_buffer(copies, self.pinned_host_transfer)
         except Exception as e:  # pinned host memory unsupported or exhausted: pageable copies still work
             if not self.pinned_host_transfer:
                 raise
             logger.warning("checkpoint: staging in pinned host memory failed (%s: %s); device-to-host copies "
                            "go to pageable memory from now on", type(e).__name__, e)
             self.pinned_host_transfer = False
-            transfers = _to_host(sources, False)
-        del sources
-        buffer, fill = np.frombuffer(self._buffer, dtype=np.uint8), 0.0
-        for i, (_, offset) in enumerate(copies):
-            host = np.asarray(transfers[i])  # waits for this transfer (outside the GIL)
-            transfers[i] = None  # a staging buffer is freed once copied
-            start = time.perf_counter()
-            buffer[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
-            fill += time.perf_counter() - start
-        del buffer  # no export of the mapping left: a later, larger buffer may replace it
+            fill = self._copy_to_buffer(copies, False)
         phase("to_host")
         phases["to_host"] -= fill
         phases["shared_buffer"] = fill
@@ -365,6 +355,22 @@ class WriterProcess:
             _, kind, message = answer
             raise (ValueError if kind == "ValueError" else OSError)(
                 message if kind in ("OSError", "ValueError") else f"{kind}: {message}")
+
+    def _copy_to_buffer(self, copies: list[tuple[Any, int]], pinned_host: bool) -> float:
+        """Copy each ``(shard, offset)`` of ``copies`` to the host (:func:`_to_host`) and into the
+        shared buffer at its offset; returns the seconds spent in the latter copies."""
+        transfers = _to_host([source for source, _ in copies], pinned_host)
+        buffer, fill = np.frombuffer(self._buffer, dtype=np.uint8), 0.0
+        try:
+            for i, (_, offset) in enumerate(copies):
+                host = np.asarray(transfers[i])  # waits for this transfer (outside the GIL)
+                transfers[i] = None  # a staging buffer is freed once copied
+                start = time.perf_counter()
+                buffer[offset:offset + host.nbytes] = host.reshape(-1).view(np.uint8)
+                fill += time.perf_counter() - start
+        finally:
+            del buffer  # no export of the mapping left: a later, larger buffer may replace it
+        return fill
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Stop the writer (collective: the writers leave their job together); kill it if it

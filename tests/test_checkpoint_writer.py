@@ -143,14 +143,25 @@ def test_pinned_host_staging_saves_the_same_values(tmp_path):
         assert verify_checkpoint(directory, 5) is None
 
 
-def test_a_failed_pinned_staging_falls_back_to_pageable_copies(tmp_path, monkeypatch, caplog):
+class _Unreadable:
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: pinned host memory")
+
+
+@pytest.mark.parametrize("when", ["staging", "reading"])
+def test_a_failed_pinned_staging_falls_back_to_pageable_copies(tmp_path, monkeypatch, caplog, when):
     def refuse(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: pinned host memory")
 
     state = _state(5)
     directory = str(tmp_path / "ckpt")
     saver = CheckpointSaver(directory, async_save=True, pinned_host_transfer=True)
-    monkeypatch.setattr(jax, "device_put", refuse)  # the save stages through jax.device_put only
+    if when == "staging":
+        monkeypatch.setattr(jax, "device_put", refuse)  # the save stages through jax.device_put only
+    else:  # the staged copies fail when read (an allocation failure reported asynchronously)
+        to_host = checkpoint_writer._to_host
+        monkeypatch.setattr(checkpoint_writer, "_to_host", lambda sources, pinned_host: [_Unreadable()] * len(sources)
+                            if pinned_host else to_host(sources, pinned_host))
     saver.save(5, state, {"iteration": 5})
     saver.wait()
     monkeypatch.undo()
