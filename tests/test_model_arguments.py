@@ -155,6 +155,20 @@ def test_moe_flags_refused(flags, message):
     _assert_refused(flags, message)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--num-distributed-optimizer-instances", "0"], "--num-distributed-optimizer-instances must be >= 1, got 0"),
+    (["--num-distributed-optimizer-instances", "2"],
+     "--num-distributed-optimizer-instances 2 needs --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
+     "data-parallel x context-parallel size 8 is not divisible by --num-distributed-optimizer-instances 3"),
+    (MOE + ["--expert-model-parallel-size", "8", "--use-distributed-optimizer",
+            "--num-distributed-optimizer-instances", "2"],
+     "expert data-parallel x context-parallel size 1 is not divisible by --num-distributed-optimizer-instances 2"),
+], ids=["zero", "without-distributed-optimizer", "dp", "experts"])
+def test_distributed_optimizer_instances_that_cannot_work_are_refused(flags, message):
+    _assert_refused(flags, message)
+
+
 @pytest.mark.parametrize("text", ["every other", "__import__('os').getpid()", "[1]*(10**9)", "[1.5,0]", "2+"])
 def test_moe_layer_freq_that_is_not_a_number_or_list_exits_2(text):
     with pytest.raises(SystemExit) as err:

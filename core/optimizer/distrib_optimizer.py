@@ -72,6 +72,15 @@ processes (gloo) a 0.8M-param model's conversion took 91 ms in groups of its lar
 32 ms with this minimum (28 ms converting whole buckets), a 3.2M-param one 111 ms (76 ms with
 4M-element groups, 70 ms whole buckets); the temporaries are about twice a group (the pieces and
 their concatenation), 4.5 MiB per device at dp 8 for the second (26 MiB with 4M-element groups)."""
+CONVERT_CHUNK_ELEMENTS = 1 << 24
+"""Largest piece (elements; 64 MiB in fp32) of one parameter that the conversions between the
+bucket shards and the layout-independent form (:meth:`DistributedOptimizer.state_to_global`,
+:meth:`~DistributedOptimizer.state_from_global`) handle at once: a larger parameter goes in
+chunks (:func:`_chunks`), one collective each, so their temporaries stay about a few
+chunks whatever the model size. Stacked layers make the largest parameter all layers of one
+weight: 1.5 GiB in fp32 for the ~1.2B GPT's MLP weight, whose whole conversion took about 1.5x
+(save) and 2x (load) that per device. Smaller chunks compile more slowly (1M-element chunks:
+a 101M-param model's two programs took 3.7-4.4 s to compile against 0.8-1.9 s)."""
 TRACKERS = ("large_grads", "spiky_loss")
 """Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
@@ -292,34 +301,51 @@ class DistributedOptimizer:
         splits = tuple(splits) if splits is not None else (StorageSplit(),) * len(self.flags.decay)
         if not self.sharded:
             return self._map_param_leaves(lambda x, split: split.cut(x), opt_state, splits)
-        budget = self._group_budget()
         before: list[jax.Array] = []  # the last group's results: the next group waits for them
+        Piece = tuple[int, jax.Array, StorageSplit]  # (leaf, a chunk's values, the chunk's split)
 
-        def convert(batch: list[tuple[int, jax.Array]], spec: BufferSpec, leaves: list[Any]) -> None:
+        def convert(batch: list[Piece], spec: BufferSpec, blocks: dict[int, list[jax.Array]]) -> None:
             nonlocal before
             axes = reduction_axes(spec, self.state)
-            blocks = reduce_pieces([p for _, p in batch], [splits[i] for i, _ in batch], axes)
-            for (i, _), block in zip(batch, blocks, strict=True):
-                leaves[i] = block
-            before = blocks
+            before = reduce_pieces([p for _, p, _ in batch], [split for _, _, split in batch], axes)
+            for (i, _, _), block in zip(batch, before, strict=True):
+                blocks.setdefault(i, []).append(block)
 
         def leaves_of(per_spec: Sequence[Buckets]) -> list[Any]:
-            # Params in groups of at most ``budget`` elements, one collective per group and kind,
-            # each group after the one before: XLA would otherwise convert every param at once
-            # and hold their temporaries together, the whole optimizer state on every rank.
+            # Params (in chunks when large) in groups of at most ``budget`` elements, one
+            # collective per group and kind, each group after the one before: XLA would otherwise
+            # convert every param at once and hold their temporaries together, the whole optimizer
+            # state on every rank.
             leaves: list[Any] = [()] * len(self.flags.decay)
+            blocks: dict[int, list[jax.Array]] = {}
             for spec, shards in zip(self.specs, per_spec, strict=True):
                 if not _has_master(shards):
                     continue
-                batch: list[tuple[int, jax.Array]] = []
+                batch: list[Piece] = []
+                # One rank (dp 1): the shard is the bucket and each leaf a slice of it, which XLA
+                # writes straight into the leaf (no collective, nothing to bound or order).
+                one_rank = group_size(reduction_axes(spec, self.state)) == 1
+                limit, budget = (None, np.inf) if one_rank else (CONVERT_CHUNK_ELEMENTS, self._group_budget())
                 for b, shard in enumerate(shards):
                     for j in spec.layout.bucket_params(b):
-                        size = int(np.prod(spec.shapes[j]))
-                        if batch and sum(p.size for _, p in batch) + size > budget:
-                            convert(batch, spec, leaves)
-                            batch = []
-                        batch.append((spec.leaves[j], self._leaf_piece(shard, spec, b, j, before)))
-                convert(batch, spec, leaves)
+                        split = splits[spec.leaves[j]]
+                        if one_rank and split.dim < 0:
+                            start, shape = self._param_start(spec, b, j), tuple(spec.shapes[j])
+                            blocks[spec.leaves[j]] = [shard[start:start + int(np.prod(shape))].reshape(1, 1, -1)]
+                            continue
+                        view, chunks = _chunks(spec.shapes[j], split, limit)
+                        for chunk in chunks:
+                            shape = _chunk_shape(view, chunk)
+                            if batch and sum(p.size for _, p, _ in batch) + int(np.prod(shape)) > budget:
+                                convert(batch, spec, blocks)
+                                batch = []
+                            piece = self._leaf_piece(shard, spec, b, j, before, _positions(view, chunk), shape)
+                            batch.append((spec.leaves[j], piece, _chunk_split(split)))
+                convert(batch, spec, blocks)
+                for j, i in enumerate(spec.leaves):
+                    if i in blocks:  # the chunks' blocks, in order: the leaf's block
+                        chunks = _chunks(spec.shapes[j], splits[i], limit)[1]
+                        leaves[i] = _assemble(blocks.pop(i), chunks, splits[i], spec.shapes[j])
             return leaves
 
         is_shards = lambda x: jax.tree.structure(x) == self._bucket_shards_def()
@@ -375,48 +401,62 @@ class DistributedOptimizer:
 
     def _group_budget(self) -> int:
         """Elements of a group of :meth:`state_to_global`'s conversion: the largest parameter's
-        (its local shard), at least ``CONVERT_GROUP_MIN_ELEMENTS``."""
+        (its local shard) up to ``CONVERT_CHUNK_ELEMENTS`` (larger ones go in chunks), at least
+        ``CONVERT_GROUP_MIN_ELEMENTS``."""
         largest = max(int(np.prod(shape)) for spec in self.specs for shape in spec.shapes)
-        return max(largest, CONVERT_GROUP_MIN_ELEMENTS)
+        return max(min(largest, CONVERT_CHUNK_ELEMENTS), CONVERT_GROUP_MIN_ELEMENTS)
 
-    def _leaf_piece(self, shard: jax.Array, spec: BufferSpec, bucket: int, j: int, after: list[Any]) -> jax.Array:
+    def _leaf_piece(self, shard: jax.Array, spec: BufferSpec, bucket: int, j: int, after: list[Any],
+                    positions: jax.Array | None = None, shape: tuple[int, ...] | None = None) -> jax.Array:
         """Param ``j``'s values that this rank's ``shard`` of ``bucket`` holds, in an array of the
         param's local shape, zeros elsewhere (and zeros on all but the first instance's copy),
         computed after the values ``after``. Summed over the data-parallel group they are the
-        param's values, exactly."""
+        param's values, exactly. With ``positions`` and ``shape``: only the elements at those
+        positions of the flattened param (a chunk, :func:`_positions`), in that shape."""
+        shape = tuple(spec.shapes[j]) if shape is None else shape
+        positions = jnp.arange(int(np.prod(shape, dtype=int))) if positions is None else positions
         shard_start, _ = self._shard_start(spec, bucket)
-        n = int(np.prod(spec.shapes[j], dtype=int))
         first = _after(self._param_start(spec, bucket, j) - shard_start, after)
-        piece = _read(shard, first + jnp.arange(n))
+        piece = _read(shard, first + positions)
         if self._intra_groups(spec) is not None:  # several instances hold the shard: count one
             axes = reduction_axes(spec, self.state)
             piece = jnp.where(lax.axis_index(axes) < group_size(axes, self._intra_groups(spec)), piece, 0)
-        return piece.reshape(spec.shapes[j])
+        return piece.reshape(shape)
 
     def _bucket_shard(self, leaves: Sequence[Any], splits: Sequence[StorageSplit], spec: BufferSpec, bucket: int,
                       after: list[jax.Array]) -> jax.Array:
         """Inverse of :meth:`_leaf_piece` for a whole bucket: this rank's shard, from the blocks of
-        its params (``leaves``, cut by ``splits``), each joined whole after the one before (the
-        first after the values ``after``) and copied into the shard; zeros in the padding."""
+        its params (``leaves``, cut by ``splits``), each joined whole (in chunks when large,
+        :func:`_chunks`) after the one before (the first after the values ``after``) and
+        written into the shard; zeros in the padding."""
         shard_start, size = self._shard_start(spec, bucket)
         shard = jnp.zeros(size, jnp.float32)
         for j in spec.layout.bucket_params(bucket):
             i = spec.leaves[j]
-            # The same values, read only once ``after`` is done (a slice at offset 0 of the block
-            # with one more element: XLA cannot drop it as it would a whole-array slice).
-            longer = jnp.concatenate([leaves[i].reshape(-1), jnp.zeros(1, leaves[i].dtype)])
-            block = lax.dynamic_slice_in_dim(longer, _after(0, after), leaves[i].size).reshape(leaves[i].shape)
-            whole = jnp.ravel(splits[i].join(block)).astype(jnp.float32)
-            # The param lies at ``begin`` in the shard (maybe partly or wholly outside it): rewrite
-            # the window of min(param, shard) elements that covers the overlap.
-            begin = self._param_start(spec, bucket, j) - shard_start
-            width = min(whole.size, size)
-            start = jnp.clip(begin, 0, size - width)
-            at = start - begin + jnp.arange(width)  # the window in the param
-            kept = lax.dynamic_slice_in_dim(shard, start, width)
-            window = _read(whole, at, fill=kept)
-            shard = lax.dynamic_update_slice_in_dim(shard, window, start, 0)
-            after = [shard]  # it holds every param before the next one: waiting for it waits for them all
+            view, chunks = _chunks(spec.shapes[j], splits[i], CONVERT_CHUNK_ELEMENTS)
+            rows = leaves[i].reshape(view[0], -1, view[2])  # this rank's block, as the chunks see it
+            for r0, r1, c0, c1 in chunks:
+                if (r1 - r0, c1 - c0) == (view[0], view[2]):
+                    # The same values, read only once ``after`` is done (a slice at offset 0 of the
+                    # block with one more element: XLA cannot drop it as a whole-array slice).
+                    longer = jnp.concatenate([rows.reshape(-1), jnp.zeros(1, rows.dtype)])
+                    block = lax.dynamic_slice_in_dim(longer, _after(0, after), rows.size).reshape(rows.shape)
+                else:
+                    block = lax.dynamic_slice(rows, (_after(r0, after), 0, c0), (r1 - r0, rows.shape[1], c1 - c0))
+                # Every rank's block of the chunk, flat, rank after rank (as gathered: no copy into
+                # the parameter's order, or into the scatter's layout; the positions follow).
+                split = splits[i]
+                ranks = group_size(split.axes) if split.dim >= 0 else 1
+                stacked = all_gather(block.reshape(-1), split.axes, axis=0) if ranks > 1 else block.reshape(-1)
+                # Each element to its place in the shard, those outside it nowhere: a scatter that
+                # reads nothing of the shard, so XLA updates it in place (rewriting a window of
+                # the shard, its kept part read back, cost two copies of the shard). The indices,
+                # as many as the chunk's elements, are computed after the chunk before too.
+                begin = self._param_start(spec, bucket, j) - shard_start
+                at = _after(begin, after) + _positions(view, (r0, r1, c0, c1), ranks)
+                at = jnp.where(at < 0, size, at)  # before the shard: dropped (not wrapped, as -1 would be)
+                shard = shard.at[at].set(stacked.astype(jnp.float32), mode="drop", unique_indices=True)
+                after = [shard]  # it holds every chunk before the next one: waiting for it waits for them all
         return shard
 
     @staticmethod
@@ -534,6 +574,72 @@ class DistributedOptimizer:
         tracker, report, any_large = check_for_large_grads(opt_state["large_grads"], grad_leaves, self.specs,
                                                            self.state)
         return {**opt_state, "large_grads": tracker}, report, any_large
+
+
+Chunk = tuple[int, int, int, int]
+"""Rows ``[r0, r1)`` and columns ``[c0, c1)`` of a parameter's ``[R, D, T]`` view (:func:`_chunks`)."""
+
+
+def _chunks(shape: Sequence[int], split: StorageSplit, limit: int | None
+            ) -> tuple[tuple[int, int, int], list[Chunk]]:
+    """``(view, chunks)``: a parameter of local ``shape`` seen as ``view = (R, D, T)`` (``D`` the
+    dimension ``split`` cuts, ``R`` and ``T`` the products of the dimensions before and after it;
+    unsplit: ``D = 1``, ``T`` the last dimension), and the chunks of at most ``limit`` elements
+    (whole rows where one fits, else parts of one row, at least one column) that the
+    conversions handle one after the other (``limit`` None: one chunk, the whole parameter).
+    Each chunk has all of ``D``, so the split joins or reduces it along its dimension 1 alone
+    (:func:`_chunk_split`)."""
+    if split.dim >= 0:
+        view = (int(np.prod(shape[:split.dim], dtype=int)), shape[split.dim],
+                int(np.prod(shape[split.dim + 1:], dtype=int)))
+    else:
+        view = (int(np.prod(shape[:-1], dtype=int)), 1, shape[-1] if len(shape) else 1)
+    rows, depth, cols = view
+    if limit is None:
+        return view, [(0, rows, 0, cols)]
+    if depth * cols <= limit:
+        step = max(1, limit // (depth * cols))
+        return view, [(r, min(r + step, rows), 0, cols) for r in range(0, rows, step)]
+    step = max(1, limit // depth)
+    return view, [(r, r + 1, c, min(c + step, cols)) for r in range(rows) for c in range(0, cols, step)]
+
+
+def _chunk_shape(view: tuple[int, int, int], chunk: Chunk) -> tuple[int, int, int]:
+    """The shape of ``chunk`` of the whole parameter's ``view``."""
+    r0, r1, c0, c1 = chunk
+    return (r1 - r0, view[1], c1 - c0)
+
+
+def _positions(view: tuple[int, int, int], chunk: Chunk, parts: int = 1) -> jax.Array:
+    """Where ``chunk``'s elements lie in the flattened parameter, for the elements in the order of
+    ``[parts, r1 - r0, D / parts, c1 - c0]`` (row-major; ``parts``: the blocks of ``D`` that the
+    ranks of the storage split hold, rank after rank). Computed on the device from iotas: no
+    constant as large as the chunk."""
+    rows, depth, cols = view
+    r0, r1, c0, c1 = chunk
+    if parts == 1 and (c0, c1) == (0, cols):  # whole rows: contiguous
+        return r0 * depth * cols + jnp.arange((r1 - r0) * depth * cols)
+    shape = (parts, r1 - r0, depth // parts, c1 - c0)
+    k, r, d, c = (lax.broadcasted_iota(jnp.int32, shape, n) for n in range(4))
+    return (((r0 + r) * depth + k * (depth // parts) + d) * cols + c0 + c).reshape(-1)
+
+
+def _chunk_split(split: StorageSplit) -> StorageSplit:
+    """``split`` for a chunk of :func:`_chunks` (its dimension 1, or none)."""
+    return StorageSplit(split.spec, 1 if split.dim >= 0 else -1, split.axes)
+
+
+def _assemble(parts: Sequence[jax.Array], chunks: Sequence[Chunk], split: StorageSplit,
+              shape: Sequence[int]) -> jax.Array:
+    """A leaf's block (of local ``shape``, cut by ``split``) from its chunks' blocks."""
+    whole = parts[0]
+    if len(parts) > 1:  # each chunk's block written in place as it comes (a concatenation waits for all)
+        whole = jnp.zeros((chunks[-1][1], parts[0].shape[1], chunks[-1][3]), parts[0].dtype)
+        for (r0, _, c0, _), part in zip(chunks, parts, strict=True):
+            whole = lax.dynamic_update_slice(whole, part, (r0, 0, c0))
+    if split.dim < 0:
+        return whole.reshape(shape)
+    return whole.reshape(*shape[:split.dim], whole.shape[1], *shape[split.dim + 1:])
 
 
 def _read(x: jax.Array, at: jax.Array, fill: Any = 0) -> jax.Array:

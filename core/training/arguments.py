@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context-parallel attention: K/V passed around a ring (p2p) or all-gathered")
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over dp (ZeRO-1)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="partial distributed optimizer: the dp x cp ranks form this many instances of "
+                        "contiguous ranks, each holding a whole copy of the sharded optimizer state")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="start bucket reductions during the backward")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -279,6 +282,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise ArgumentError(str(e).replace("_", "-")) from None
+    _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
@@ -290,6 +294,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError("--save-interval needs --save DIR")
     validate_data_args(args)
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep)
+
+
+def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, expert_data_parallel: int) -> None:
+    """``--num-distributed-optimizer-instances``: >= 1, more than one only with the distributed
+    optimizer, dividing the data-parallel x context-parallel size and the experts' share of it."""
+    n, flag = args.num_distributed_optimizer_instances, "--num-distributed-optimizer-instances"
+    if n < 1:
+        raise ArgumentError(f"{flag} must be >= 1, got {n}")
+    if n > 1 and not args.use_distributed_optimizer:
+        raise ArgumentError(f"{flag} {n} needs --use-distributed-optimizer")
+    for what, size in (("data-parallel x context-parallel size", data_parallel),
+                       ("expert data-parallel x context-parallel size", expert_data_parallel)):
+        if size % n:
+            raise ArgumentError(f"{what} {size} is not divisible by {flag} {n}")
 
 
 MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",

@@ -346,6 +346,7 @@ class Pretrainer:
         # parameters left unchanged would never be used; the skip's conditional costs ~1% of a CPU step.
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
             grad_reduce_in_fp32=True, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
             check_for_spiky_loss=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor)
         optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
