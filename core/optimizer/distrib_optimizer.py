@@ -455,7 +455,7 @@ class DistributedOptimizer:
                 begin = self._param_start(spec, bucket, j) - shard_start
                 at = _after(begin, after) + _positions(view, (r0, r1, c0, c1), ranks)
                 at = jnp.where(at < 0, size, at)  # before the shard: dropped (not wrapped, as -1 would be)
-                shard = shard.at[at].set(stacked.astype(jnp.float32), mode="drop", unique_indices=True)
+                shard = shard.at[at].set(stacked.astype(jnp.float32), mode="drop")
                 after = [shard]  # it holds every chunk before the next one: waiting for it waits for them all
         return shard
 
