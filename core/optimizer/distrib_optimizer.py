@@ -339,6 +339,10 @@ class DistributedOptimizer:
                             if batch and sum(p.size for _, p, _ in batch) + int(np.prod(shape)) > budget:
                                 convert(batch, spec, blocks)
                                 batch = []
+                            if len(chunks) == 1:  # the whole param in its own shape (compiles faster)
+                                piece = self._leaf_piece(shard, spec, b, j, before)
+                                batch.append((spec.leaves[j], piece, split))
+                                continue
                             piece = self._leaf_piece(shard, spec, b, j, before, _positions(view, chunk), shape)
                             batch.append((spec.leaves[j], piece, _chunk_split(split)))
                 convert(batch, spec, blocks)
@@ -631,8 +635,11 @@ def _chunk_split(split: StorageSplit) -> StorageSplit:
 
 def _assemble(parts: Sequence[jax.Array], chunks: Sequence[Chunk], split: StorageSplit,
               shape: Sequence[int]) -> jax.Array:
-    """A leaf's block (of local ``shape``, cut by ``split``) from its chunks' blocks."""
+    """A leaf's block (of local ``shape``, cut by ``split``) from its chunks' blocks (one part of
+    the leaf's own rank: the block itself)."""
     whole = parts[0]
+    if len(parts) == 1 and whole.ndim == len(shape):
+        return whole
     if len(parts) > 1:  # each chunk's block written in place as it comes (a concatenation waits for all)
         whole = jnp.zeros((chunks[-1][1], parts[0].shape[1], chunks[-1][3]), parts[0].dtype)
         for (r0, _, c0, _), part in zip(chunks, parts, strict=True):
