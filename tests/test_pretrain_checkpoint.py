@@ -192,12 +192,13 @@ OTHER_LAYOUTS = [
     (1, 4, 8, ("--use-distributed-optimizer",)),
     (2, 1, 8, ("--context-parallel-size", "2", "--use-distributed-optimizer")),
     (1, 1, 8, ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")),
+    (1, 1, 1, ("--use-distributed-optimizer",)),
 ]
 
 
 @pytest.mark.parametrize("tp,pp,devices,extra", OTHER_LAYOUTS,
                          ids=["1x1x1", "1x1x8-do", "2x1x4", "2x2x2-vpp2", "1x4x2-do", "2x1xcp2x2-do",
-                              "1x1x8-do-instances2"])
+                              "1x1x8-do-instances2", "1x1x1-do"])
 def test_other_layout_resumes_with_the_optimizer_state(saved, tp, pp, devices, extra):
     directory, later = saved
     b = _trainer(tp, pp, *extra, devices=devices)

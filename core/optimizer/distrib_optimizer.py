@@ -331,7 +331,7 @@ class DistributedOptimizer:
                         split = splits[spec.leaves[j]]
                         if one_rank and split.dim < 0:
                             start, shape = self._param_start(spec, b, j), tuple(spec.shapes[j])
-                            blocks[spec.leaves[j]] = [shard[start:start + int(np.prod(shape))].reshape(1, 1, -1)]
+                            blocks[spec.leaves[j]] = [shard[start:start + int(np.prod(shape))].reshape(shape)]
                             continue
                         view, chunks = _chunks(spec.shapes[j], split, limit)
                         for chunk in chunks:
@@ -635,15 +635,14 @@ def _chunk_split(split: StorageSplit) -> StorageSplit:
 
 def _assemble(parts: Sequence[jax.Array], chunks: Sequence[Chunk], split: StorageSplit,
               shape: Sequence[int]) -> jax.Array:
-    """A leaf's block (of local ``shape``, cut by ``split``) from its chunks' blocks (one part of
-    the leaf's own rank: the block itself)."""
-    whole = parts[0]
-    if len(parts) == 1 and whole.ndim == len(shape):
-        return whole
-    if len(parts) > 1:  # each chunk's block written in place as it comes (a concatenation waits for all)
-        whole = jnp.zeros((chunks[-1][1], parts[0].shape[1], chunks[-1][3]), parts[0].dtype)
-        for (r0, _, c0, _), part in zip(chunks, parts, strict=True):
-            whole = lax.dynamic_update_slice(whole, part, (r0, 0, c0))
+    """A leaf's block (of local ``shape``, cut by ``split``) from its chunks' blocks, each of its
+    chunk's shape (:func:`_chunk_shape`, cut); a single part is the block itself, in its shape."""
+    if len(parts) == 1:
+        return parts[0]
+    # Each chunk's block written in place as it comes (a concatenation would wait for all).
+    whole = jnp.zeros((chunks[-1][1], parts[0].shape[1], chunks[-1][3]), parts[0].dtype)
+    for (r0, _, c0, _), part in zip(chunks, parts, strict=True):
+        whole = lax.dynamic_update_slice(whole, part, (r0, 0, c0))
     if split.dim < 0:
         return whole.reshape(shape)
     return whole.reshape(*shape[:split.dim], whole.shape[1], *shape[split.dim + 1:])
