@@ -318,6 +318,7 @@ class DistributedOptimizer:
             # state on every rank.
             leaves: list[Any] = [()] * len(self.flags.decay)
             blocks: dict[int, list[jax.Array]] = {}
+            chunks_of: dict[int, list[Chunk]] = {}  # each leaf's chunks, in the order of its blocks
             for spec, shards in zip(self.specs, per_spec, strict=True):
                 if not _has_master(shards):
                     continue
@@ -334,6 +335,7 @@ class DistributedOptimizer:
                             blocks[spec.leaves[j]] = [shard[start:start + int(np.prod(shape))].reshape(shape)]
                             continue
                         view, chunks = _chunks(spec.shapes[j], split, limit)
+                        chunks_of[spec.leaves[j]] = chunks
                         for chunk in chunks:
                             shape = _chunk_shape(view, chunk)
                             if batch and sum(p.size for _, p, _ in batch) + int(np.prod(shape)) > budget:
@@ -348,8 +350,7 @@ class DistributedOptimizer:
                 convert(batch, spec, blocks)
                 for j, i in enumerate(spec.leaves):
                     if i in blocks:  # the chunks' blocks, in order: the leaf's block
-                        chunks = _chunks(spec.shapes[j], splits[i], limit)[1]
-                        leaves[i] = _assemble(blocks.pop(i), chunks, splits[i], spec.shapes[j])
+                        leaves[i] = _assemble(blocks.pop(i), chunks_of.get(i, []), splits[i], spec.shapes[j])
             return leaves
 
         is_shards = lambda x: jax.tree.structure(x) == self._bucket_shards_def()
@@ -436,11 +437,12 @@ class DistributedOptimizer:
         shard_start, size = self._shard_start(spec, bucket)
         shard = jnp.zeros(size, jnp.float32)
         for j in spec.layout.bucket_params(bucket):
-            i = spec.leaves[j]
-            view, chunks = _chunks(spec.shapes[j], splits[i], CONVERT_CHUNK_ELEMENTS)
+            i, split = spec.leaves[j], splits[spec.leaves[j]]
+            view, chunks = _chunks(spec.shapes[j], split, CONVERT_CHUNK_ELEMENTS)
             rows = leaves[i].reshape(view[0], -1, view[2])  # this rank's block, as the chunks see it
+            ranks = group_size(split.axes) if split.dim >= 0 else 1
             for r0, r1, c0, c1 in chunks:
-                if (r1 - r0, c1 - c0) == (view[0], view[2]):
+                if len(chunks) == 1:
                     # The same values, read only once ``after`` is done (a slice at offset 0 of the
                     # block with one more element: XLA cannot drop it as a whole-array slice).
                     longer = jnp.concatenate([rows.reshape(-1), jnp.zeros(1, rows.dtype)])
@@ -449,8 +451,6 @@ class DistributedOptimizer:
                     block = lax.dynamic_slice(rows, (_after(r0, after), 0, c0), (r1 - r0, rows.shape[1], c1 - c0))
                 # Every rank's block of the chunk, flat, rank after rank (as gathered: no copy into
                 # the parameter's order, or into the scatter's layout; the positions follow).
-                split = splits[i]
-                ranks = group_size(split.axes) if split.dim >= 0 else 1
                 stacked = all_gather(block.reshape(-1), split.axes, axis=0) if ranks > 1 else block.reshape(-1)
                 # Each element to its place in the shard, those outside it nowhere: a scatter that
                 # reads nothing of the shard, so XLA updates it in place (rewriting a window of
@@ -648,10 +648,10 @@ def _assemble(parts: Sequence[jax.Array], chunks: Sequence[Chunk], split: Storag
     return whole.reshape(*shape[:split.dim], whole.shape[1], *shape[split.dim + 1:])
 
 
-def _read(x: jax.Array, at: jax.Array, fill: Any = 0) -> jax.Array:
-    """``x[at]`` of a 1-D ``x``, ``fill`` where ``at`` is outside ``[0, x.size)`` (no wrapping)."""
+def _read(x: jax.Array, at: jax.Array) -> jax.Array:
+    """``x[at]`` of a 1-D ``x``, zero where ``at`` is outside ``[0, x.size)`` (no wrapping)."""
     inside = (at >= 0) & (at < x.size)
-    return jnp.where(inside, x[jnp.clip(at, 0, x.size - 1)], jnp.asarray(fill, x.dtype))
+    return jnp.where(inside, x[jnp.clip(at, 0, x.size - 1)], jnp.zeros((), x.dtype))
 
 
 def _after(index: Any, values: Sequence[jax.Array]) -> Any:
