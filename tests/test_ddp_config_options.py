@@ -17,6 +17,7 @@ from tp_harness import dense_parallel_mlp
 
 from core import parallel_state as ps
 from core.distributed import distributed_data_parallel_config as config_module
+from core.distributed import param_and_grad_buffer
 from core.distributed.collectives import (
     hlo_collective_bytes,
     reduce_scatter,
@@ -153,6 +154,24 @@ def test_partial_distributed_optimizer_dp8_equals_full_and_single_device():
     # State per device scales with the instance size dp/instances (padding lcm(g, 128) = 128 here).
     for instances in (2, 4, 8):
         assert abs(numel[instances] - instances * numel[1]) <= 64, numel
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_buckets_cut_at_the_int32_cap_train_as_one_bucket(monkeypatch, use_distributed_optimizer):
+    # The cap on a bucket's elements (int32 indexing, 2**31 - 2**20 in real runs) made small, so
+    # that a buffer that would be one bucket (no bucket_size) becomes several: same training.
+    state = ps.build_parallel_state()
+    opt_config = OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5)
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
+    whole = _run(state, cfg, opt_config)
+    assert len(whole[0].buffer_specs[0].layout.bucket_indices) == 1
+    monkeypatch.setattr(param_and_grad_buffer, "MAX_BUCKET_ELEMENTS", 1024)
+    ddp, params, _, losses = _run(state, cfg, opt_config)
+    sizes = ddp.buffer_specs[0].bucket_sizes()
+    assert len(sizes) > 1 and max(sizes) <= 1024, sizes
+    np.testing.assert_allclose(losses, whole[3], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
+                 params, whole[1])
 
 
 def test_partial_distributed_optimizer_tp2_dp4_equals_dense():

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.param_and_grad_buffer import (
+    MAX_BUCKET_ELEMENTS,
     bucket_element_masks,
     bucket_shard_ranges,
     build_buffer_specs,
@@ -101,6 +102,33 @@ def test_no_padding_without_distributed_optimizer():
     layout = build_param_layout(numels, bucket_size=None, data_parallel_size=8, use_distributed_optimizer=False)
     assert layout.param_index_map == ((1067, 1074, 0), (67, 1067, 0), (3, 67, 0), (0, 3, 0))
     assert layout.bucket_indices == ((0, 1074),)
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+def test_buckets_stay_within_int32_indexing(use_distributed_optimizer):
+    # A ~3.6B-parameter buffer (no arrays: the layout is arithmetic) with one bucket asked for
+    # (no bucket_size, as without overlap_grad_reduce): int32 offsets inside one bucket would
+    # wrap (rank 3 of 4's shard of a 3.6e9-element bucket starts at 2.7e9), so it is cut.
+    numels = [3, *[300_000_007] * 12, 129]
+    layout = build_param_layout(numels, bucket_size=None, data_parallel_size=4,
+                                use_distributed_optimizer=use_distributed_optimizer)
+    sizes = [end - start for start, end in layout.bucket_indices]
+    assert len(sizes) == 2 and max(sizes) <= MAX_BUCKET_ELEMENTS < 2**31, sizes
+    assert sum(sizes) >= sum(numels)
+    for start, end, b in layout.param_index_map:  # every parameter whole inside its bucket
+        assert layout.bucket_indices[b][0] <= start < end <= layout.bucket_indices[b][1]
+    if use_distributed_optimizer:
+        assert all(n % 128 == 0 for n in sizes)
+    # The cap changes nothing below it: the same parameters in one bucket when they fit.
+    small = build_param_layout([n // 1000 for n in numels], bucket_size=None, data_parallel_size=4,
+                               use_distributed_optimizer=use_distributed_optimizer)
+    assert len(small.bucket_indices) == 1
+
+
+def test_a_parameter_beyond_int32_indexing_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"a parameter of 2200000000 elements \(on each device\) does not fit in a "
+                                         r"gradient bucket: buckets are indexed with int32, at most \d+ elements"):
+        build_param_layout([10, 2_200_000_000], bucket_size=None, data_parallel_size=8, use_distributed_optimizer=True)
 
 
 def test_shard_ranges_cover_each_bucket_once():

@@ -14,7 +14,12 @@ Layout rules (Megatron-core ``_ParamAndGradBuffer``):
 * with it, each parameter start is aligned to 64 elements, each bucket end is padded to
   ``lcm(dp, 128)`` (``lcm(dp, 128, 2**16)`` with ``pad_buckets_for_high_nccl_busbw``), so
   every bucket splits into ``dp`` equal shards, and a shared-embedding parameter gets a
-  bucket of its own.
+  bucket of its own;
+* unlike Megatron, a bucket never exceeds ``MAX_BUCKET_ELEMENTS`` (padding included): the
+  distributed optimizer finds its shard and the checkpoint conversions their elements with int32
+  index arithmetic inside a bucket (JAX's default integer), which would wrap silently above
+  2**31. Below that (every buffer of a model under ~2.1B parameters per device) the layout is
+  Megatron's; above it a buffer that would be one bucket becomes several.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ from core.param_metadata import ParamInfo
 PARAM_ALIGNMENT = 64
 BUCKET_ALIGNMENT = 128
 HIGH_BUSBW_ALIGNMENT = 2**16
+MAX_BUCKET_ELEMENTS = 2**31 - 2**20
+"""The most elements of one bucket, padding included: int32 indexing, with headroom for the
+index arithmetic on positions inside a bucket (offsets from a shard's start, a few increments)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +65,7 @@ class ParamLayout:
 
 
 def _pad(n: int, divisor: int) -> int:
-    return math.ceil(n / divisor) * divisor
+    return -(-n // divisor) * divisor  # integers: exact at any size
 
 
 def build_param_layout(
@@ -68,13 +76,19 @@ def build_param_layout(
     use_distributed_optimizer: bool,
     shared_embedding: int | Sequence[int] | None = None,
     pad_buckets_for_high_nccl_busbw: bool = False,
+    max_bucket_elements: int | None = None,
 ) -> ParamLayout:
     """Megatron's buffer layout for parameters of ``numels`` (model order); see module docstring.
 
-    ``shared_embedding`` is the index (or indices) of shared-embedding parameters.
+    ``shared_embedding`` is the index (or indices) of shared-embedding parameters;
+    ``max_bucket_elements`` (default ``MAX_BUCKET_ELEMENTS``) caps a padded bucket: a parameter
+    that would take its bucket past it starts a new one, and one that does not fit alone is a
+    ``ValueError``.
     """
+    limit = MAX_BUCKET_ELEMENTS if max_bucket_elements is None else max_bucket_elements
     shared = set() if shared_embedding is None else (
         {shared_embedding} if isinstance(shared_embedding, int) else set(shared_embedding))
+    divisor = 1
     if use_distributed_optimizer:
         divisor = math.lcm(data_parallel_size, BUCKET_ALIGNMENT)
         if pad_buckets_for_high_nccl_busbw:
@@ -88,7 +102,7 @@ def build_param_layout(
     def close_bucket(end: int) -> int:
         nonlocal bucket_start, bucket_members
         unpadded.append(end - bucket_start)
-        padded_end = _pad(end, divisor) if use_distributed_optimizer else end
+        padded_end = _pad(end, divisor)
         buckets.append((bucket_start, padded_end))
         bucket_start, bucket_members = padded_end, 0
         return padded_end
@@ -97,9 +111,14 @@ def build_param_layout(
         own_bucket = use_distributed_optimizer and i in shared
         if use_distributed_optimizer:
             param_start = _pad(param_start, PARAM_ALIGNMENT)
-        if own_bucket and bucket_members:
-            param_start = close_bucket(param_start)
         param_end = param_start + int(numels[i])
+        if (own_bucket or _pad(param_end, divisor) - bucket_start > limit) and bucket_members:
+            param_start = close_bucket(param_start)
+            param_end = param_start + int(numels[i])
+        if _pad(param_end, divisor) - bucket_start > limit:
+            raise ValueError(f"a parameter of {int(numels[i])} elements (on each device) does not fit in a gradient "
+                             f"bucket: buckets are indexed with int32, at most {limit} elements; split it over more "
+                             f"devices (tensor or expert model parallelism)")
         index_map[i] = (param_start, param_end, len(buckets))
         bucket_members += 1
         if (bucket_size is not None and param_end - bucket_start >= bucket_size) or own_bucket:
