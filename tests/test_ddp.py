@@ -192,9 +192,9 @@ def test_indivisible_batch_is_a_clear_error():
 
 
 def test_train_step_donates_state_and_makes_no_implicit_transfers():
-    """The step's constant inputs (the norm and weight-decay masks) live on every device already:
-    a call with placed params, state and batch copies nothing between host and devices; params
-    and optimizer state are donated (updated in place)."""
+    """A call with placed params, state and batch copies nothing between host and devices (the
+    step has no constant array inputs: the distributed optimizer computes its weight-decay and
+    norm flags per shard); params and optimizer state are donated (updated in place)."""
     state = ps.build_parallel_state()
     ddp, params, opt_state, _ = _run_ddp(state, DistributedDataParallelConfig(), OptimizerConfig(), 1, steps=0)
     step = ddp.make_train_step(mse_loss(ddp.module), 1)

@@ -31,7 +31,8 @@ from core.distributed.grad_sync import (
     instance_groups,
     reduce_gradient_buckets,
 )
-from core.distributed.param_and_grad_buffer import build_buffer_specs
+from core.distributed.param_and_grad_buffer import bucket_element_masks, bucket_shard_ranges, build_buffer_specs
+from core.optimizer import distrib_optimizer
 from core.optimizer.clip_grads import clip_coefficient
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import ParamInfo
@@ -172,6 +173,43 @@ def test_buckets_cut_at_the_int32_cap_train_as_one_bucket(monkeypatch, use_distr
     np.testing.assert_allclose(losses, whole[3], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
                  params, whole[1])
+
+
+@pytest.mark.parametrize("max_flips", [distrib_optimizer.FLAG_COMPARE_MAX_FLIPS, 0])  # comparisons; binary search
+def test_shard_flags_are_each_ranks_slice_of_the_element_masks(monkeypatch, max_flips):
+    # The distributed optimizer's weight-decay and norm flags are computed per shard from where
+    # they flip in a bucket, not stored per element: on every rank (two instances of 4: shard
+    # r mod 4) they equal that rank's slice of the per-element masks on every parameter element.
+    monkeypatch.setattr(distrib_optimizer, "FLAG_COMPARE_MAX_FLIPS", max_flips)
+    state = ps.build_parallel_state()
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=300,
+                                        num_distributed_optimizer_instances=2)
+    ddp, _, _, losses = _run(state, cfg, OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5))
+    opt = ddp._require_init()["optimizer"]
+    spec = opt.specs[0]
+    flags = [i % 3 != 1 for i in range(len(opt.flags.decay))]  # flips inside buckets (the decay flag has some too)
+    buckets = range(len(spec.layout.bucket_indices))
+    fn = lambda: tuple(jnp.broadcast_to(opt._shard_flags(spec, b, flags), (s // 4,))[None]
+                       for b, s in zip(buckets, spec.bucket_sizes(), strict=True))
+    got = jax.jit(ddp._shard_map(fn, (), (ddp.local_spec,) * len(buckets)))()
+    masks = bucket_element_masks(spec, [flags[i] for i in spec.leaves])
+    param_elements = bucket_element_masks(spec, [True] * len(spec.leaves))
+    assert sum(len(distrib_optimizer.bucket_flag_changes(spec, [flags[i] for i in spec.leaves])[b][1])
+               for b in buckets) > 2
+    for b in buckets:
+        start = spec.layout.bucket_indices[b][0]
+        for rank in range(8):
+            lo, hi = (x - start for x in bucket_shard_ranges(spec.layout, 4, rank % 4)[b])
+            inside = param_elements[b][lo:hi]
+            np.testing.assert_array_equal(np.asarray(got[b])[rank][inside], masks[b][lo:hi][inside])
+    # Training through the same path equals the one-device reference (as the test above checks
+    # for the default path).
+    module = MLP()
+    ref_params = module.init(jax.random.key(0), jnp.asarray(make_batch(GLOBAL_BATCH)[0][:2]))
+    _, ref_losses = reference_train(
+        module, ref_params, [tuple(map(jnp.asarray, make_batch(GLOBAL_BATCH, seed=i))) for i in range(STEPS)],
+        OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
 def test_partial_distributed_optimizer_tp2_dp4_equals_dense():

@@ -11,6 +11,7 @@ from core.distributed.distributed_data_parallel_config import DistributedDataPar
 from core.distributed.param_and_grad_buffer import (
     MAX_BUCKET_ELEMENTS,
     bucket_element_masks,
+    bucket_flag_changes,
     bucket_shard_ranges,
     build_buffer_specs,
     build_param_layout,
@@ -160,6 +161,27 @@ def test_flatten_unflatten_roundtrip_and_masks():
     assert sum(float(jnp.sum(b != 0)) for b in buckets) == total
     masks = bucket_element_masks(dense, [False, False, True])
     assert sum(int(m.sum()) for m in masks) == 130
+
+
+@pytest.mark.parametrize("use_distributed_optimizer", [False, True])
+@pytest.mark.parametrize("bucket_size", [None, 400])
+def test_flag_changes_give_every_parameter_its_flag(use_distributed_optimizer, bucket_size):
+    rng = np.random.default_rng(1)
+    shapes = [tuple(int(d) for d in rng.integers(1, 40, size=rng.integers(1, 3))) for _ in range(30)]
+    infos = [ParamInfo(P())] * len(shapes)
+    spec = build_buffer_specs(shapes, [jnp.float32] * len(shapes), infos, data_parallel_size=8, bucket_size=bucket_size,
+                              use_distributed_optimizer=use_distributed_optimizer, grad_reduce_in_fp32=False)[0]
+    flags = [bool(f) for f in rng.integers(0, 2, len(shapes))]
+    for b, ((first, flips), mask) in enumerate(zip(bucket_flag_changes(spec, flags), bucket_element_masks(spec, flags),
+                                                   strict=True)):
+        at = np.arange(mask.size)
+        from_runs = ((at[:, None] >= np.asarray(flips, int)[None, :]).sum(1) % 2 == 1) != first
+        members = spec.layout.bucket_params(b)
+        for j in members:  # every parameter's elements carry its flag (gaps and padding: any)
+            start, end, _ = spec.layout.param_index_map[j]
+            offset = spec.layout.bucket_indices[b][0]
+            np.testing.assert_array_equal(from_runs[start - offset:end - offset], mask[start - offset:end - offset])
+        assert len(flips) == sum(flags[i] != flags[j] for i, j in zip(members, members[1:]))  # no flip in a gap
 
 
 def test_default_bucket_size_follows_megatron():

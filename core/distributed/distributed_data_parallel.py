@@ -174,7 +174,7 @@ class DistributedDataParallel:
         leaf_specs = jax.tree.leaves(specs_tree, is_leaf=lambda x: isinstance(x, P))
         self._metadata = {
             "treedef": treedef, "infos": infos, "specs": specs, "param_specs": specs_tree, "paths": paths,
-            "masks": optimizer.constant_inputs(NamedSharding(self.mesh, P())), "optimizer": optimizer,
+            "optimizer": optimizer,
             "opt_specs": optimizer.state_specs(leaf_specs, self.local_spec),
             "shapes": [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves],
         }
@@ -356,7 +356,7 @@ class DistributedDataParallel:
             # One program per batch structure: the specs follow the leaves' ranks (see batch_specs).
             key = (jax.tree.structure(batch), tuple(len(x.shape) for x in jax.tree.leaves(batch)))
             if key not in programs:
-                in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_specs(batch, sequence_axis), P()) \
+                in_specs = (meta["param_specs"], meta["opt_specs"], self.batch_specs(batch, sequence_axis)) \
                     + state_specs + ((P(),) if with_rng else ())
                 fn = self._shard_map(step, in_specs, (meta["param_specs"], meta["opt_specs"], metric_specs)
                                      + state_specs)
@@ -382,7 +382,7 @@ class DistributedDataParallel:
 
         def train_step(params, opt_state, batch, *rest):
             check(batch, rest)
-            out = program(batch)(params, opt_state, batch, meta["masks"], *rest)
+            out = program(batch)(params, opt_state, batch, *rest)
             self.params = out[0]  # the donated input is gone; the facade follows the step
             return out
 
@@ -390,7 +390,7 @@ class DistributedDataParallel:
             """The step's program for these arguments, lowered and not run (``jax.jit``'s
             ``lower``: ``.as_text()``, ``.compile().memory_analysis()``); nothing is donated."""
             check(batch, rest)
-            return program(batch).lower(params, opt_state, batch, meta["masks"], *rest)
+            return program(batch).lower(params, opt_state, batch, *rest)
 
         train_step.lower = lower
         return train_step
@@ -440,17 +440,17 @@ class DistributedDataParallel:
         state, ddp_config, opt = self.state, self.ddp_config, meta["optimizer"]
         dp_axes = state.data_parallel_with_context_axis_name
 
-        def body(params, opt_state, batch, masks, *rest):
+        def body(params, opt_state, batch, *rest):
             if update_model_state is None:
-                return step(params, opt_state, batch, masks, loss_fn, forward_backward, *rest)[:3]
+                return step(params, opt_state, batch, loss_fn, forward_backward, *rest)[:3]
             model_state, *rng = rest
             # The state is a closed-over input: no gradient flows to it and no optimizer sees it.
             bind = lambda f: None if f is None else (lambda *a: f(*a, model_state=model_state))
-            new_params, new_opt, metrics, local_metrics = step(params, opt_state, batch, masks, bind(loss_fn),
+            new_params, new_opt, metrics, local_metrics = step(params, opt_state, batch, bind(loss_fn),
                                                                bind(forward_backward), *rng)
             return new_params, new_opt, metrics, update_model_state(model_state, local_metrics)
 
-        def step(params, opt_state, batch, masks, loss_fn, forward_backward, *rng):
+        def step(params, opt_state, batch, loss_fn, forward_backward, *rng):
             opt_state = opt.state_to_local(opt_state)
             rng = tuple(fold_rng_over_axis(r, dp_axes) for r in rng)  # () or the rank's key
             local_metrics = None
@@ -489,7 +489,7 @@ class DistributedDataParallel:
                 skip = spiky if skip is None else skip | spiky
                 extra.update(spiky_loss=spiky, recent_max_loss=recent_max)
             new_leaves, new_opt, grad_norm, skipped = opt.step(
-                opt_state, reduced, leaves, masks, skip_nonfinite=ddp_config.check_for_nan_in_grad, skip=skip)
+                opt_state, reduced, leaves, skip_nonfinite=ddp_config.check_for_nan_in_grad, skip=skip)
             flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped,
@@ -636,17 +636,16 @@ class DistributedDataParallel:
 
         opt = meta["optimizer"]
 
-        def fn(params, opt_state, reduced, masks):
+        def fn(params, opt_state, reduced):
             leaves = jax.tree.leaves(params)
-            new_leaves, new_opt, norm, _ = opt.step(opt.state_to_local(opt_state), self._to_local(reduced), leaves,
-                                                    masks)
+            new_leaves, new_opt, norm, _ = opt.step(opt.state_to_local(opt_state), self._to_local(reduced), leaves)
             new_params = jax.tree.unflatten(meta["treedef"], [new_leaves[i] for i in range(len(leaves))])
             return new_params, opt.state_from_local(new_opt), norm
 
-        specs = (meta["param_specs"], meta["opt_specs"], self.local_spec, P())
+        specs = (meta["param_specs"], meta["opt_specs"], self.local_spec)
         step = self._program("step", lambda: jax.jit(self._shard_map(
             fn, specs, (meta["param_specs"], meta["opt_specs"], P()))))
-        params, opt_state, norm = step(params, opt_state, reduced, meta["masks"])
+        params, opt_state, norm = step(params, opt_state, reduced)
         self.params = params
         return params, opt_state, norm
 

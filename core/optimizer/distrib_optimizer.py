@@ -53,7 +53,7 @@ from core.distributed.grad_sync import (
 )
 from core.distributed.param_and_grad_buffer import (
     BufferSpec,
-    bucket_element_masks,
+    bucket_flag_changes,
     flatten_to_buckets,
     unflatten_from_buckets,
 )
@@ -81,6 +81,13 @@ chunks whatever the model size. Stacked layers make the largest parameter all la
 weight: 1.5 GiB in fp32 for the ~1.2B GPT's MLP weight, whose whole conversion took about 1.5x
 (save) and 2x (load) that per device. Smaller chunks compile more slowly (1M-element chunks:
 a 101M-param model's two programs took 3.7-4.4 s to compile against 0.8-1.9 s)."""
+FLAG_COMPARE_MAX_FLIPS = 32
+"""Up to this many flips of a flag in one bucket (:meth:`DistributedOptimizer._shard_flags`),
+each element counts the flips before it with one comparison per flip, which XLA fuses into the
+optimizer's update (4 flips: within noise of reading stored masks on 8M elements on CPU, 48:
++50%); more flips (one leaf per layer, a flag flipping at each) take a binary search
+(``jnp.searchsorted``: about 10x a stored mask's read on CPU). The package's GPT stacks its
+layers: at most 5 flips."""
 TRACKERS = ("large_grads", "spiky_loss")
 """Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
@@ -103,35 +110,6 @@ class LeafFlags:
         return cls(decay=tuple(ndim[i] > 1 for i in range(len(infos))),
                    tp_split=tuple(info.split_over(TP_AXIS) for info in infos),
                    pp_split=tuple(info.split_over(PP_AXIS) for info in infos))
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferMasks:
-    """Per-element constant masks of every bucket of every buffer (numpy bool arrays): what the
-    distributed optimizer needs, since a shard of a bucket mixes parameters."""
-
-    decay: tuple[tuple[np.ndarray, ...], ...]
-    """Weight decay applies (params with more than one dimension)."""
-    tp_split: tuple[tuple[np.ndarray, ...], ...]
-    """Param is split over tensor parallelism (counted on every tp rank in the norm)."""
-    pp_split: tuple[tuple[np.ndarray, ...], ...]
-    """Param is split over pipeline stages (counted on every stage in the norm)."""
-
-    @classmethod
-    def build(cls, specs: Sequence[BufferSpec], flags: LeafFlags) -> BufferMasks:
-        """Each leaf's flags spread over its elements of every bucket (padding: False)."""
-
-        def masks(per_leaf: Sequence[bool]):
-            return tuple(bucket_element_masks(s, [per_leaf[i] for i in s.leaves]) for s in specs)
-
-        return cls(decay=masks(flags.decay), tp_split=masks(flags.tp_split), pp_split=masks(flags.pp_split))
-
-    def as_arrays(self, sharding: jax.sharding.Sharding) -> dict[str, Any]:
-        """The masks as a pytree of arrays placed with ``sharding`` (the step's replicated
-        ``NamedSharding(mesh, P())``; an array on one device would be copied to every device
-        at each call of the step). Pass them to the jitted step as an argument."""
-        return {f.name: jax.tree.map(lambda x: jax.device_put(x, sharding), getattr(self, f.name))
-                for f in dataclasses.fields(self)}
 
 
 def _has_master(master: Any) -> bool:
@@ -171,12 +149,6 @@ class DistributedOptimizer:
         """Whether optimizer state is sharded over data parallelism."""
         return self.ddp_config.use_distributed_optimizer
 
-    def constant_inputs(self, sharding: jax.sharding.Sharding) -> dict[str, Any]:
-        """The step's constant array inputs (``masks`` of :meth:`step`), placed with ``sharding``:
-        the per-element bucket masks when distributed, nothing when replicated (per-leaf flags
-        are compile-time constants)."""
-        return BufferMasks.build(self.specs, self.flags).as_arrays(sharding) if self.sharded else {}
-
     def _tx(self, decay_mask: Any = None) -> optax.GradientTransformation:
         if isinstance(self.optimizer, OptimizerConfig):
             return get_optax_transformation(self.optimizer, self.learning_rate, decay_mask)
@@ -198,6 +170,23 @@ class DistributedOptimizer:
         """This rank's shard of a full bucket."""
         start, size = self._shard_range(spec, bucket.shape[0])
         return lax.dynamic_slice_in_dim(bucket, start, size)
+
+    def _shard_flags(self, spec: BufferSpec, bucket: int, per_leaf: Sequence[bool]) -> jax.Array | bool:
+        """A per-leaf flag (``per_leaf``: :class:`LeafFlags`' entry) over the elements of this
+        rank's shard of ``bucket``: a bool, or a bool array where the shard may mix parameters
+        with and without it. Computed from where the flag flips in the bucket
+        (:func:`bucket_flag_changes`), not stored: stored per-element masks cost 3 bytes per
+        element of every bucket on every device, three times the optimizer state itself at dp 8."""
+        first, flips = bucket_flag_changes(spec, [per_leaf[i] for i in spec.leaves])[bucket]
+        if not flips:
+            return first
+        start, size = self._shard_start(spec, bucket)
+        at = start + lax.iota(jnp.int32, size)  # each element's offset in the bucket
+        if len(flips) <= FLAG_COMPARE_MAX_FLIPS:  # one comparison each, fused into the update
+            passed = sum((at >= f).astype(jnp.int32) for f in flips)
+        else:
+            passed = jnp.searchsorted(jnp.asarray(flips, jnp.int32), at, side="right")
+        return (passed % 2 == 1) != first
 
     def _shards(self, per_bucket: Sequence[Buckets]) -> tuple[Buckets, ...]:
         return tuple(tuple(self._shard(b, s) for b in bs) for s, bs in zip(self.specs, per_bucket, strict=True))
@@ -486,11 +475,11 @@ class DistributedOptimizer:
         replicated_over = reduction_axes(spec, self.state)
         return tuple(a for a in axes if a not in replicated_over)
 
-    def grad_norm(self, grads: Sequence[Buckets] | Sequence[jax.Array], masks: dict[str, Any]) -> jax.Array:
+    def grad_norm(self, grads: Sequence[Buckets] | Sequence[jax.Array]) -> jax.Array:
         """Global L2 norm of the reduced gradients across every rank (see ``clip_grads``).
 
-        ``grads``: this rank's bucket shards with ``masks`` when distributed, the per-leaf reduced
-        gradients when replicated. Non-finite elements make the norm non-finite even where this
+        ``grads``: this rank's bucket shards when distributed, the per-leaf reduced gradients
+        when replicated. Non-finite elements make the norm non-finite even where this
         device does not count them (0/1 weights multiply)."""
         sumsq: dict[tuple[str, ...], list[jax.Array]] = {}
 
@@ -505,9 +494,10 @@ class DistributedOptimizer:
             sumsq.setdefault(self._norm_axes(spec), []).append(jnp.sum(w * (g32 * g32)))
 
         if self.sharded:
-            for spec, shards, tp_m, pp_m in zip(self.specs, grads, masks["tp_split"], masks["pp_split"], strict=True):
-                for g, tp_split, pp_split in zip(shards, tp_m, pp_m, strict=True):
-                    add(spec, g, self._shard(tp_split, spec), self._shard(pp_split, spec))
+            for spec, shards in zip(self.specs, grads, strict=True):
+                for b, g in enumerate(shards):
+                    add(spec, g, self._shard_flags(spec, b, self.flags.tp_split),
+                        self._shard_flags(spec, b, self.flags.pp_split))
         else:
             for spec in self.specs:
                 for i in spec.leaves:
@@ -516,11 +506,11 @@ class DistributedOptimizer:
 
     def step(
         self, opt_state: dict[str, Any], reduced: Sequence[Any], param_leaves: Sequence[jax.Array],
-        masks: dict[str, Any], skip_nonfinite: bool = False, skip: jax.Array | None = None,
+        skip_nonfinite: bool = False, skip: jax.Array | None = None,
     ) -> tuple[dict[int, jax.Array], dict[str, Any], jax.Array, jax.Array]:
         """Clip, step, gather. ``reduced`` is what ``finalize_model_grads`` returns (every leaf's
-        reduced gradient, or this rank's bucket shards when distributed), ``masks`` the
-        :meth:`constant_inputs`. Returns ({leaf index: new param}, new state, grad norm, skipped).
+        reduced gradient, or this rank's bucket shards when distributed). Returns ({leaf index:
+        new param}, new state, grad norm, skipped).
 
         With ``skip_nonfinite`` a non-finite global grad norm (a NaN or Inf in any rank's
         gradients; the norm is the same on every rank) leaves params and state unchanged and
@@ -535,12 +525,12 @@ class DistributedOptimizer:
         if self.sharded:
             current = self._param_shards(param_leaves)
             current = tuple(m if m else c for m, c in zip(opt_state["master"], current, strict=True))
-            decay = tuple(tuple(self._shard(m, s) for m in ms) for s, ms in zip(self.specs, masks["decay"],
-                                                                                strict=True))
+            decay = tuple(tuple(self._shard_flags(s, b, self.flags.decay) for b in range(len(s.layout.bucket_indices)))
+                          for s in self.specs)
         else:
             current = self._current_leaves(opt_state["master"], param_leaves)
             decay = list(self.flags.decay)
-        grad_norm = self.grad_norm(reduced, masks)
+        grad_norm = self.grad_norm(reduced)
         if skip_nonfinite:
             skip = ~jnp.isfinite(grad_norm) if skip is None else skip | ~jnp.isfinite(grad_norm)
         coef = clip_coefficient(grad_norm, self.clip_grad) if self.clip_grad > 0 else jnp.ones((), jnp.float32)
