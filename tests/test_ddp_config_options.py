@@ -175,7 +175,7 @@ def test_buckets_cut_at_the_int32_cap_train_as_one_bucket(monkeypatch, use_distr
                  params, whole[1])
 
 
-@pytest.mark.parametrize("max_flips", [distrib_optimizer.FLAG_COMPARE_MAX_FLIPS, 0])  # comparisons; binary search
+@pytest.mark.parametrize("max_flips", [distrib_optimizer.FLAG_COMPARE_MAX_FLIPS, 0])  # comparisons; cumsum
 def test_shard_flags_are_each_ranks_slice_of_the_element_masks(monkeypatch, max_flips):
     # The distributed optimizer's weight-decay and norm flags are computed per shard from where
     # they flip in a bucket, not stored per element: on every rank (two instances of 4: shard

@@ -81,13 +81,14 @@ chunks whatever the model size. Stacked layers make the largest parameter all la
 weight: 1.5 GiB in fp32 for the ~1.2B GPT's MLP weight, whose whole conversion took about 1.5x
 (save) and 2x (load) that per device. Smaller chunks compile more slowly (1M-element chunks:
 a 101M-param model's two programs took 3.7-4.4 s to compile against 0.8-1.9 s)."""
-FLAG_COMPARE_MAX_FLIPS = 32
+FLAG_COMPARE_MAX_FLIPS = 256
 """Up to this many flips of a flag in one bucket (:meth:`DistributedOptimizer._shard_flags`),
 each element counts the flips before it with one comparison per flip, which XLA fuses into the
-optimizer's update (4 flips: within noise of reading stored masks on 8M elements on CPU, 48:
-+50%); more flips (one leaf per layer, a flag flipping at each) take a binary search
-(``jnp.searchsorted``: about 10x a stored mask's read on CPU). The package's GPT stacks its
-layers: at most 5 flips."""
+optimizer's update. On 8M elements on CPU (2026-11-28) an update with a stored mask took about
+10 ms; with 4-32 flips 12-16 ms, 64: 18, 128: 26, 256: 41 ms. More flips (one leaf per layer, a
+flag flipping at each) mark each flip in the shard and take a cumulative sum: about 50-58 ms
+whatever their number (a binary search, ``jnp.searchsorted``, took 120-180 ms). The package's
+GPT stacks its layers: at most 5 flips."""
 TRACKERS = ("large_grads", "spiky_loss")
 """Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
@@ -181,11 +182,13 @@ class DistributedOptimizer:
         if not flips:
             return first
         start, size = self._shard_start(spec, bucket)
-        at = start + lax.iota(jnp.int32, size)  # each element's offset in the bucket
         if len(flips) <= FLAG_COMPARE_MAX_FLIPS:  # one comparison each, fused into the update
+            at = start + lax.iota(jnp.int32, size)  # each element's offset in the bucket
             passed = sum((at >= f).astype(jnp.int32) for f in flips)
-        else:
-            passed = jnp.searchsorted(jnp.asarray(flips, jnp.int32), at, side="right")
+        else:  # the flips before the shard, then a 1 at each flip inside it, summed up to each element
+            inside = jnp.asarray(flips, jnp.int32) - start
+            marks = jnp.zeros(size, jnp.int32).at[jnp.where(inside < 0, size, inside)].add(1, mode="drop")
+            passed = jnp.sum(inside < 0) + jnp.cumsum(marks)  # (a negative index would wrap, not drop)
         return (passed % 2 == 1) != first
 
     def _shards(self, per_bucket: Sequence[Buckets]) -> tuple[Buckets, ...]:
