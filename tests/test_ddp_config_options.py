@@ -194,7 +194,7 @@ def test_shard_flags_are_each_ranks_slice_of_the_element_masks(monkeypatch, max_
     got = jax.jit(ddp._shard_map(fn, (), (ddp.local_spec,) * len(buckets)))()
     masks = bucket_element_masks(spec, [flags[i] for i in spec.leaves])
     param_elements = bucket_element_masks(spec, [True] * len(spec.leaves))
-    assert sum(len(distrib_optimizer.bucket_flag_changes(spec, [flags[i] for i in spec.leaves])[b][1])
+    assert sum(len(distrib_optimizer.bucket_flag_changes(spec, b, [flags[i] for i in spec.leaves])[1])
                for b in buckets) > 2
     for b in buckets:
         start = spec.layout.bucket_indices[b][0]

@@ -256,23 +256,21 @@ def bucket_shard_ranges(layout: ParamLayout, data_parallel_size: int, rank: int)
     return ranges
 
 
-def bucket_flag_changes(spec: BufferSpec, per_param: Sequence[bool]) -> tuple[tuple[bool, tuple[int, ...]], ...]:
-    """Per bucket, a per-parameter flag as runs: ``(flag of the first element, offsets in the
+def bucket_flag_changes(spec: BufferSpec, bucket: int, per_param: Sequence[bool]) -> tuple[bool, tuple[int, ...]]:
+    """A per-parameter flag over ``bucket`` as runs: ``(flag of its first element, offsets in the
     bucket where the flag flips)``, each parameter's elements with its flag (``per_param``,
     indexed like ``spec.leaves``). Alignment gaps and end padding take the flag of the parameter
     before them: their values and gradients are zero, so any flag does, and fewer flips are
     fewer comparisons where the flags are computed (the distributed optimizer's step)."""
-    runs = []
-    for b, (start, _) in enumerate(spec.layout.bucket_indices):
-        members = spec.layout.bucket_params(b)
-        first = bool(per_param[members[0]]) if members else False
-        flips, current = [], first
-        for j in members:
-            if bool(per_param[j]) != current:
-                flips.append(spec.layout.param_index_map[j][0] - start)
-                current = not current
-        runs.append((first, tuple(flips)))
-    return tuple(runs)
+    start = spec.layout.bucket_indices[bucket][0]
+    members = spec.layout.bucket_params(bucket)
+    first = bool(per_param[members[0]]) if members else False
+    flips, current = [], first
+    for j in members:
+        if bool(per_param[j]) != current:
+            flips.append(spec.layout.param_index_map[j][0] - start)
+            current = not current
+    return first, tuple(flips)
 
 
 def bucket_element_masks(spec: BufferSpec, per_param: Sequence[bool]) -> tuple[np.ndarray, ...]:

@@ -178,7 +178,7 @@ class DistributedOptimizer:
         with and without it. Computed from where the flag flips in the bucket
         (:func:`bucket_flag_changes`), not stored: stored per-element masks cost 3 bytes per
         element of every bucket on every device, three times the optimizer state itself at dp 8."""
-        first, flips = bucket_flag_changes(spec, [per_leaf[i] for i in spec.leaves])[bucket]
+        first, flips = bucket_flag_changes(spec, bucket, [per_leaf[i] for i in spec.leaves])
         if not flips:
             return first
         start, size = self._shard_start(spec, bucket)
