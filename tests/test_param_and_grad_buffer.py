@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from core.distributed.param_and_grad_buffer import (
     bucket_shard_ranges,
     build_buffer_specs,
     build_param_layout,
+    flatten_bucket_shard,
     flatten_to_buckets,
     unflatten_from_buckets,
 )
@@ -161,6 +163,26 @@ def test_flatten_unflatten_roundtrip_and_masks():
     assert sum(float(jnp.sum(b != 0)) for b in buckets) == total
     masks = bucket_element_masks(dense, [False, False, True])
     assert sum(int(m.sum()) for m in masks) == 130
+
+
+@pytest.mark.parametrize("shards", [1, 2, 8])
+def test_a_bucket_shard_is_that_ranks_slice_of_the_whole_bucket(shards):
+    """Built from the params that overlap it (never the whole bucket), for every rank, with shard
+    edges inside params, alignment gaps and end padding; in the params' dtype or cast."""
+    rng = np.random.default_rng(2)
+    shapes = [tuple(int(d) for d in rng.integers(1, 40, size=rng.integers(1, 3))) for _ in range(12)]
+    leaves = [jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in shapes]
+    spec = build_buffer_specs(shapes, [jnp.bfloat16] * len(shapes), [ParamInfo(P())] * len(shapes),
+                              data_parallel_size=shards, bucket_size=300, use_distributed_optimizer=True,
+                              grad_reduce_in_fp32=False)[0]
+    assert len(spec.layout.bucket_indices) > 1
+    shard_of = jax.jit(flatten_bucket_shard, static_argnums=(1, 2, 3, 5))
+    for b, whole in enumerate(flatten_to_buckets(leaves, spec, jnp.float32)):
+        size = whole.shape[0] // shards
+        for rank in range(shards):
+            got = shard_of(leaves, spec, b, shards, jnp.int32(rank), jnp.float32)
+            assert got.dtype == jnp.float32
+            np.testing.assert_array_equal(got, whole[rank * size:(rank + 1) * size])
 
 
 @pytest.mark.parametrize("use_distributed_optimizer", [False, True])

@@ -54,7 +54,7 @@ from core.distributed.grad_sync import (
 from core.distributed.param_and_grad_buffer import (
     BufferSpec,
     bucket_flag_changes,
-    flatten_to_buckets,
+    flatten_bucket_shard,
     unflatten_from_buckets,
 )
 from core.distributed.spiky_loss import init_spiky_loss_tracker
@@ -167,11 +167,6 @@ class DistributedOptimizer:
         size = bucket_size // group_size(axes, groups)
         return group_index(axes, groups) * size, size
 
-    def _shard(self, bucket: jax.Array, spec: BufferSpec) -> jax.Array:
-        """This rank's shard of a full bucket."""
-        start, size = self._shard_range(spec, bucket.shape[0])
-        return lax.dynamic_slice_in_dim(bucket, start, size)
-
     def _shard_flags(self, spec: BufferSpec, bucket: int, per_leaf: Sequence[bool]) -> jax.Array | bool:
         """A per-leaf flag (``per_leaf``: :class:`LeafFlags`' entry) over the elements of this
         rank's shard of ``bucket``: a bool, or a bool array where the shard may mix parameters
@@ -191,11 +186,15 @@ class DistributedOptimizer:
             passed = jnp.sum(inside < 0) + jnp.cumsum(marks)  # (a negative index would wrap, not drop)
         return (passed % 2 == 1) != first
 
-    def _shards(self, per_bucket: Sequence[Buckets]) -> tuple[Buckets, ...]:
-        return tuple(tuple(self._shard(b, s) for b in bs) for s, bs in zip(self.specs, per_bucket, strict=True))
-
     def _param_shards(self, param_leaves: Sequence[jax.Array]) -> tuple[Buckets, ...]:
-        return self._shards([flatten_to_buckets(param_leaves, s, jnp.float32) for s in self.specs])
+        """This rank's fp32 shard of every bucket of the params (never the whole buckets)."""
+        out = []
+        for spec in self.specs:
+            axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
+            shards, index = group_size(axes, groups), group_index(axes, groups)
+            out.append(tuple(flatten_bucket_shard(param_leaves, spec, b, shards, index, jnp.float32)
+                             for b in range(len(spec.layout.bucket_indices))))
+        return tuple(out)
 
     # -- pure API --------------------------------------------------------------------------
     def init(self, param_leaves: Sequence[jax.Array]) -> dict[str, Any]:
