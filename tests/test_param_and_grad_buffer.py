@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from core.distributed import param_and_grad_buffer
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.param_and_grad_buffer import (
     MAX_BUCKET_ELEMENTS,
@@ -165,10 +166,14 @@ def test_flatten_unflatten_roundtrip_and_masks():
     assert sum(int(m.sum()) for m in masks) == 130
 
 
+@pytest.mark.parametrize("segments", [True, False])
 @pytest.mark.parametrize("shards", [1, 2, 8])
-def test_a_bucket_shard_is_that_ranks_slice_of_the_whole_bucket(shards):
+def test_a_bucket_shard_is_that_ranks_slice_of_the_whole_bucket(shards, segments, monkeypatch):
     """Built from the params that overlap it (never the whole bucket), for every rank, with shard
-    edges inside params, alignment gaps and end padding; in the params' dtype or cast."""
+    edges inside params, alignment gaps and end padding; in the params' dtype or cast; by
+    segments, and by whole candidate shards (the path for many shards)."""
+    if not segments:
+        monkeypatch.setattr(param_and_grad_buffer, "SHARD_SEGMENT_MAX_SLICES", 0)
     rng = np.random.default_rng(2)
     shapes = [tuple(int(d) for d in rng.integers(1, 40, size=rng.integers(1, 3))) for _ in range(12)]
     leaves = [jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in shapes]
@@ -176,11 +181,13 @@ def test_a_bucket_shard_is_that_ranks_slice_of_the_whole_bucket(shards):
                               data_parallel_size=shards, bucket_size=300, use_distributed_optimizer=True,
                               grad_reduce_in_fp32=False)[0]
     assert len(spec.layout.bucket_indices) > 1
-    shard_of = jax.jit(flatten_bucket_shard, static_argnums=(1, 2, 3, 5))
+    # a function of this test's own: jit's cache would hand another parametrization's trace back
+    shard_of = jax.jit(lambda leaves, b, rank: flatten_bucket_shard(leaves, spec, b, shards, rank, jnp.float32),
+                       static_argnums=1)
     for b, whole in enumerate(flatten_to_buckets(leaves, spec, jnp.float32)):
         size = whole.shape[0] // shards
         for rank in range(shards):
-            got = shard_of(leaves, spec, b, shards, jnp.int32(rank), jnp.float32)
+            got = shard_of(leaves, b, jnp.int32(rank))
             assert got.dtype == jnp.float32
             np.testing.assert_array_equal(got, whole[rank * size:(rank + 1) * size])
 
