@@ -1,7 +1,7 @@
 """``bench/optimizer_shard.py``: building the distributed optimizer's shard from the params that
 overlap it gives the same update as cutting it out of the whole flat bucket (the bench checks the
-values) and holds at most the shard, no whole bucket (XLA's ``memory_analysis``: deterministic), where the cut keeps
-one (the temporary found on 2026-11-28)."""
+values) and holds at most the shard, no whole bucket (XLA's ``memory_analysis``: deterministic),
+where the cut keeps one (the temporary found on 2026-11-28)."""
 
 import importlib.util
 from pathlib import Path

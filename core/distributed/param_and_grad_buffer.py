@@ -201,8 +201,7 @@ def flatten_bucket(leaves: Sequence[jax.Array], spec: BufferSpec, bucket: int, d
     """Bucket ``bucket`` of this buffer as one padded 1-D array of its params' values (default
     dtype: the grad dtype). ``leaves`` is the whole flattened tree; only the bucket's params are read."""
     dtype = jnp.dtype(spec.key.grad_dtype if dtype is None else dtype)
-    pieces = [_run_values(leaves, spec, run, dtype) for run in _runs(spec, bucket, *spec.layout.bucket_indices[bucket])]
-    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+    return _flatten_runs(leaves, spec, _runs(spec, bucket, *spec.layout.bucket_indices[bucket]), dtype)
 
 
 def _runs(spec: BufferSpec, bucket: int, lo: int, hi: int) -> list[tuple[int, int, int | None, int]]:
@@ -235,6 +234,13 @@ def _run_values(leaves: Sequence[jax.Array], spec: BufferSpec, run: tuple[int, i
     return (flat if (lo, end - start) == (0, flat.shape[0]) else flat[lo:lo + end - start]).astype(dtype)
 
 
+def _flatten_runs(leaves: Sequence[jax.Array], spec: BufferSpec, runs: Sequence[tuple[int, int, int | None, int]],
+                  dtype: Any) -> jax.Array:
+    """The values of consecutive :func:`_runs` entries as one 1-D array."""
+    pieces = [_run_values(leaves, spec, run, dtype) for run in runs]
+    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+
 SHARD_SEGMENT_MAX_SLICES = 2048
 """Most static slices (segments x shards) with which :func:`flatten_bucket_shard` builds a
 shard segment by segment; beyond, it selects between whole candidate shards, which costs
@@ -264,8 +270,7 @@ def flatten_bucket_shard(leaves: Sequence[jax.Array], spec: BufferSpec, bucket: 
     runs = [_runs(spec, bucket, start + k * size, start + (k + 1) * size) for k in range(shards)]
     cuts = sorted({0, size} | {r[0] - (start + k * size) for k, rs in enumerate(runs) for r in rs})
     if (len(cuts) - 1) * shards > SHARD_SEGMENT_MAX_SLICES:  # many ranks: whole candidates, fused
-        candidates = [[_run_values(leaves, spec, run, dtype) for run in rs] for rs in runs]
-        return lax.select_n(index, *(jnp.concatenate(c) if len(c) > 1 else c[0] for c in candidates))
+        return lax.select_n(index, *(_flatten_runs(leaves, spec, rs, dtype) for rs in runs))
     segments, at = [], [0] * shards  # at[k]: the run of shard k holding the current segment
     for lo, hi in zip(cuts, cuts[1:]):
         values = []

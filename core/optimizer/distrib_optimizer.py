@@ -160,12 +160,16 @@ class DistributedOptimizer:
         """``axis_index_groups`` of the ranks sharing one copy of the state (None: the whole group)."""
         return distributed_optimizer_groups(spec, self.ddp_config, self.state)[0]
 
-    def _shard_range(self, spec: BufferSpec, bucket_size: int) -> tuple[jax.Array, int]:
-        """(where this rank's shard starts in a bucket of ``bucket_size`` elements, the shard's
-        size): shard ``r mod g`` of g with several instances."""
+    def _shard_index(self, spec: BufferSpec) -> tuple[int, jax.Array]:
+        """(g, this rank's shard among the g shards of each bucket): ``r mod g`` with several instances."""
         axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
-        size = bucket_size // group_size(axes, groups)
-        return group_index(axes, groups) * size, size
+        return group_size(axes, groups), group_index(axes, groups)
+
+    def _shard_range(self, spec: BufferSpec, bucket_size: int) -> tuple[jax.Array, int]:
+        """(where this rank's shard starts in a bucket of ``bucket_size`` elements, the shard's size)."""
+        shards, index = self._shard_index(spec)
+        size = bucket_size // shards
+        return index * size, size
 
     def _shard_flags(self, spec: BufferSpec, bucket: int, per_leaf: Sequence[bool]) -> jax.Array | bool:
         """A per-leaf flag (``per_leaf``: :class:`LeafFlags`' entry) over the elements of this
@@ -190,8 +194,7 @@ class DistributedOptimizer:
         """This rank's fp32 shard of every bucket of the params (never the whole buckets)."""
         out = []
         for spec in self.specs:
-            axes, groups = reduction_axes(spec, self.state), self._intra_groups(spec)
-            shards, index = group_size(axes, groups), group_index(axes, groups)
+            shards, index = self._shard_index(spec)
             out.append(tuple(flatten_bucket_shard(param_leaves, spec, b, shards, index, jnp.float32)
                              for b in range(len(spec.layout.bucket_indices))))
         return tuple(out)
