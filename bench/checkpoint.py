@@ -111,31 +111,23 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     """One model's row (see the module docstring); with ``trace_dir`` one more async save (the
     writer process) and its steps are traced there (``jax.profiler``) after the timed rounds.
 
-    ``one_copy``: for a model of which the device holds one training state only (``bench/gpu.py``'s
-    ~1.2B GPT on one GPU: ~20 GB of params, grads and Adam, plus the save's copy): the loads go
-    into the training model itself instead of a second one, only the writer process is timed,
-    and every directory keeps one checkpoint (each is ~14.5 GB on disk)."""
+    ``one_copy``: :func:`measure_one_copy` instead."""
     import jax
-    import numpy as np
 
     from core.checkpointing import CheckpointSaver
 
-    keep = 1 if one_copy else 2
+    if one_copy:
+        return measure_one_copy(model_flags, devices, steps, workdir)
+    keep = 2
     trainer = _trainer(model_flags, devices, [])
     _steps(trainer, 2)  # compile
-    params = sum(x.size for x in jax.tree.leaves(trainer.params))
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
-        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.ddp.optimizer_state_global_abstract()))
     sync_dir = os.path.join(workdir, "sync")
     trainer._saver = CheckpointSaver(sync_dir, max_to_keep=keep, async_save=False)  # as Pretrainer.save makes it
     trainer.save(sync_dir)  # compiles the gather program
     # On a GPU also the writer process without pinned host staging (its device-to-host copies
     # into pageable memory), side by side: the default there stages them, as orbax does.
-    writers = ("process",) if one_copy else ("process", "thread")
-    writers += ("pageable",) if jax.default_backend() == "gpu" else ()
-    # one_copy: the async savers share one directory (steps only grow): 14.5 GB per checkpoint
-    # of the ~1.2B GPT, and a save writes its new step before it drops the old one.
-    savers = {w: CheckpointSaver(os.path.join(workdir, "async" if one_copy else w), max_to_keep=keep, async_save=True,
+    writers = ("process", "thread") + (("pageable",) if jax.default_backend() == "gpu" else ())
+    savers = {w: CheckpointSaver(os.path.join(workdir, w), max_to_keep=keep, async_save=True,
                                  writer="process" if w == "pageable" else w,
                                  pinned_host_transfer=False if w == "pageable" else None)
               for w in writers}
@@ -145,7 +137,7 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     stalls: dict[str, list[float]] = {"process": [], "thread": [], "fast": [], "pageable": []}
     blocking: dict[str, list[float]] = {"process": [], "thread": [], "pageable": []}
     phases: dict[str, list[dict[str, float]]] = {"process": [], "pageable": []}  # timed in the training process
-    loader = trainer if one_copy else _trainer(model_flags, devices, [])
+    loader = _trainer(model_flags, devices, [])
     loader.load(sync_dir)  # compiles the re-cut program
     for _ in range(reps):
         _steps(trainer, 1)
@@ -165,8 +157,6 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             stalls[writer].append(total)
         for writer in set(writers) & set(phases):
             phases[writer].append(savers[writer].write_phases)
-        if one_copy:
-            continue
         default_interval = sys.getswitchinterval()
         sys.setswitchinterval(FAST_SWITCH_S)
         try:
@@ -186,8 +176,8 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     ms = lambda times: statistics.median(times) * 1e3 if times else None
     size = _disk_bytes(os.path.join(sync_dir, str(max(int(d) for d in os.listdir(sync_dir) if d.isdigit()))))
     shutil.rmtree(workdir, ignore_errors=True)
-    return {**memory(trainer, loader), "model": trainer.config.describe(), "params": params,
-            "state_mib": state_bytes / MIB, "disk_mib": size / MIB, "save_s": statistics.median(saves),
+    return {**memory(trainer, loader), **_sizes(trainer), "model": trainer.config.describe(), "disk_mib": size / MIB,
+            "save_s": statistics.median(saves),
             "load_s": statistics.median(loads),
             "step_ms": step * 1e3, "blocking_ms": ms(blocking["process"]), "blocking_ms_thread": ms(blocking["thread"]),
             "stall_share": share(stalls["process"]), "stall_share_thread": share(stalls["thread"]),
@@ -195,6 +185,64 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
             "writer_phases_ms": {k: statistics.median(p[k] for p in phases["process"]) * 1e3 for k in PHASES},
             "writer_phases_ms_pageable": {k: statistics.median(p[k] for p in phases["pageable"]) * 1e3
                                           for k in PHASES} if phases["pageable"] else None}
+
+
+def measure_one_copy(model_flags: list[str], devices: int, steps: int, workdir: str) -> dict[str, Any]:
+    """:func:`measure`'s row for a model of which the device holds one training state only
+    (``bench/gpu.py``'s ~1.2B GPT on one GPU: ~20 GB of params, grads and Adam, plus the save's
+    copy), at the least time and disk a GPU lease allows (each checkpoint is ~14.5 GB): one
+    synchronous save, loaded back into the training model itself (once to compile, once timed),
+    then deleted; the writer process started by one async save, then one timed async save followed
+    by ``steps`` steps against the same steps alone. Three writes, at most two checkpoints on
+    disk at once; each phase is printed as it ends (a lease's timeout keeps what ran)."""
+    import jax
+
+    from core.checkpointing import CheckpointSaver
+
+    started = time.perf_counter()
+    log = lambda what: print(f"  [{time.perf_counter() - started:.0f} s] {what}", flush=True)
+    trainer = _trainer(model_flags, devices, [])
+    _steps(trainer, 2)  # compile
+    jax.block_until_ready(trainer.checkpoint_state()[0])  # compile the save's copy program
+    log("trainer built, step and save copy compiled")
+    sync_dir = os.path.join(workdir, "sync")
+    trainer._saver = CheckpointSaver(sync_dir, max_to_keep=1, async_save=False)  # as Pretrainer.save makes it
+    start = time.perf_counter()
+    trainer.save(sync_dir)
+    save = time.perf_counter() - start
+    size = _disk_bytes(os.path.join(sync_dir, str(trainer.iteration)))
+    log(f"synchronous save {save:.1f} s, {size / 2**30:.1f} GiB")
+    trainer.load(sync_dir)  # compiles the re-cut program
+    start = time.perf_counter()
+    trainer.load(sync_dir)
+    jax.block_until_ready(trainer.opt_state)
+    load = time.perf_counter() - start
+    log(f"load {load:.1f} s")
+    shutil.rmtree(sync_dir)
+    saver = CheckpointSaver(os.path.join(workdir, "async"), max_to_keep=1, async_save=True, writer="process")
+    _async_stall(trainer, saver, 1)  # starts the writer process (its first save waits for it)
+    log("writer process started (one async save)")
+    plain = _steps(trainer, steps)
+    blocking, total = _async_stall(trainer, saver, steps)
+    phases = saver.write_phases
+    saver.close()
+    log(f"async save: blocking {blocking * 1e3:.1f} ms, {steps} steps {plain:.2f} s alone, {total:.2f} s after it")
+    step = plain / steps
+    return {**memory(trainer, trainer), **_sizes(trainer), "model": trainer.config.describe(), "disk_mib": size / MIB,
+            "save_s": save, "load_s": load, "step_ms": step * 1e3, "blocking_ms": blocking * 1e3,
+            "blocking_ms_thread": None, "stall_share": (total - plain) / step, "stall_share_thread": None,
+            "stall_share_thread_fast_switch": None, "stall_share_pageable": None,
+            "writer_phases_ms": {k: phases[k] * 1e3 for k in PHASES}, "writer_phases_ms_pageable": None}
+
+
+def _sizes(trainer: Any) -> dict[str, float]:
+    """``params`` (count) and ``state_mib`` (params + the optimizer state's global form)."""
+    import jax
+    import numpy as np
+
+    state = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
+        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.ddp.optimizer_state_global_abstract()))
+    return {"params": sum(x.size for x in jax.tree.leaves(trainer.params)), "state_mib": state / MIB}
 
 
 PHASES = ("plan", "snapshot", "to_host", "shared_buffer", "writer", "thread_cpu")

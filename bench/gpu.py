@@ -67,6 +67,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--gpt-flags", default="", help="extra launch/pretrain.py flags (e.g. --scan-layers)")
     p.add_argument("--moe", action="store_true", help="also time a MoE GPT against the dense one of equal active "
                    "parameters (step 5)")
+    p.add_argument("--moe-runs", default="dense,ragged_dot,windows", help="--moe's launches, in order: the dense "
+                   "GPT and the MoE GPT's grouped GEMM implementations (--profile traces the first MoE one)")
     p.add_argument("--ddp-overhead", action="store_true", help="also time the package's step against a plain "
                    "jitted step of the GPT at dp = 1 (bench/ddp_overhead.py; the GPU issue's goal: <= 3%%)")
     p.add_argument("--checkpoint-gpt", action="store_true", help="also the checkpoint benchmark and async-save "
@@ -216,6 +218,20 @@ def moe_vs_dense_flags(a: argparse.Namespace) -> dict[str, list[str]]:
     return {"dense": [*common, "--ffn-hidden-size", str(ffn)],
             "moe": [*moe, "--moe-grouped-gemm-implementation", "ragged_dot"],
             "moe, windows": [*moe, "--moe-grouped-gemm-implementation", "windows"]}
+
+
+MOE_RUNS = {"dense": "dense", "ragged_dot": "moe", "windows": "moe, windows"}
+"""``--moe-runs``' names and :func:`moe_vs_dense_flags`' keys."""
+
+
+def moe_runs(a: argparse.Namespace) -> dict[str, list[str]]:
+    """:func:`moe_vs_dense_flags`, those ``--moe-runs`` names, in its order."""
+    flags = moe_vs_dense_flags(a)
+    names = [n.strip() for n in a.moe_runs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in MOE_RUNS]
+    if unknown:
+        raise SystemExit(f"--moe-runs: unknown {', '.join(unknown)} (choose from {', '.join(MOE_RUNS)})")
+    return {MOE_RUNS[n]: flags[MOE_RUNS[n]] for n in names}
 
 
 def train_gpt(flags: list[str], timeout: float = 900, xla_flags: str = "") -> dict:
@@ -550,11 +566,18 @@ def _child(part: str, a: argparse.Namespace, timeout: float = 900, out: Path | N
 
 def _run_json(cmd: list[str], timeout: float) -> dict | list:
     """Run ``cmd`` (a script whose last output line is JSON) and return that JSON; a failed step
-    gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns)."""
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=max(1, timeout))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
+    gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns). The step's
+    temporary files go to a directory removed when it ends, killed or not: a killed checkpoint
+    step would otherwise leave its ~15 GB checkpoints on the lease machine's disk for the next."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**_env(), "TMPDIR": tmp},
+                                 timeout=max(1, timeout))
+        except subprocess.TimeoutExpired as err:
+            # what it printed before (its progress) is the only record of where the time went
+            printed = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else err.stdout or ""
+            print(printed[-3000:], flush=True)
+            return {"error": f"timed out after {timeout:.0f} s"}
     print(out.stdout[:-1] if out.returncode == 0 else out.stdout + out.stderr[-3000:], flush=True)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -656,17 +679,19 @@ def main() -> None:
         extra.extend(checkpoint_report(rows, label="benchmark GPT")[2:])
         write()
     if a.moe and not skipped("MoE vs dense", 150):
-        moe_flags = moe_vs_dense_flags(a)
+        moe_flags = moe_runs(a)
         with tempfile.TemporaryDirectory() as trace_dir:
             runs = {}
-            for name, f in moe_flags.items():  # with --profile the MoE run is traced too: where its step goes
-                traced = a.profile and name == "moe"
+            traced_name = next((name for name in moe_flags if name != "dense"), None) if a.profile else None
+            for name, f in moe_flags.items():  # with --profile a MoE run is traced too: where its step goes
+                traced = name == traced_name
                 runs[name] = train_gpt(f + (profile_flags(a, trace_dir) if traced else []), timeout=min(900, left()),
                                        xla_flags=hlo_dump_flags(trace_dir) if traced else "")
             print(f"> MoE vs dense: {runs}", flush=True)
             extra.extend(moe_report(runs, moe_flags))
-            if a.profile and "error" not in runs["moe"]:
-                extra.extend(["The MoE GPT's profile:", ""] + profile_report(trace_dir, Path(f"{out}.moe")))
+            if traced_name is not None and "error" not in runs[traced_name]:
+                extra.extend([f"The MoE GPT's profile ({traced_name}):", ""]
+                             + profile_report(trace_dir, Path(f"{out}.moe")))
         write()
     write()
     print(f"\n{out.read_text()}\nwritten to {out}")

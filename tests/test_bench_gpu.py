@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,6 +79,11 @@ def test_moe_step_flags_are_valid_and_its_report_reads_the_ratio():
             ("ragged_dot", "windows")
         assert moe.num_experts == 8 and moe.moe_router_topk * moe.moe_ffn_hidden_size == dense.ffn_hidden_size
         assert moe.moe_router_force_load_balancing  # the CPU benchmark's target row: balanced routing
+    chosen = bench_gpu.moe_runs(argparse.Namespace(smoke=True, iters=3, moe_runs="windows, dense"))
+    smoke_flags = bench_gpu.moe_vs_dense_flags(argparse.Namespace(smoke=True, iters=3))
+    assert list(chosen) == ["moe, windows", "dense"] and chosen["dense"] == smoke_flags["dense"]
+    with pytest.raises(SystemExit, match="unknown blocked"):
+        bench_gpu.moe_runs(argparse.Namespace(smoke=True, iters=3, moe_runs="dense,blocked"))
     row = {"tokens_per_sec": 1000.0, "step_s": 0.5, "tflops_per_device": 100.0, "mfu": 0.4, "memory_gib": 10.0,
            "compile_s": 30.0}
     text = "\n".join(bench_gpu.moe_report({"dense": row, "moe": {**row, "step_s": 0.6}}, flags))
