@@ -112,9 +112,12 @@ def test_context_parallel_blocks_run_xla_on_the_gpu_and_match_causal_attention(c
     _close(_value_and_grads(cp_attention, *bf16), want, 3e-2)
 
 
-def test_grouped_mlp_runs_ragged_dot_and_matches_the_expert_loop():
-    """The MoE experts off the CPU run ``lax.ragged_dot``: ``GroupedMLP``'s values and grads equal
-    ``SequentialMLP``'s (fp32, highest precision), with an empty group and padding rows."""
+@pytest.mark.parametrize("implementation,window", [("ragged_dot", None), ("windows", None), ("windows", 16)])
+def test_grouped_mlp_matches_the_expert_loop(implementation, window):
+    """The MoE experts off the CPU run ``lax.ragged_dot`` by default; the row windows (the CPU's
+    default, ``--moe-grouped-gemm-implementation windows``) run on a GPU too, with and without
+    their second pass (a 16-row window overflows every group). ``GroupedMLP``'s values and grads
+    equal ``SequentialMLP``'s (fp32, highest precision), with an empty group and padding rows."""
     from jax.sharding import PartitionSpec as P
 
     from core import parallel_state as ps
@@ -130,16 +133,14 @@ def test_grouped_mlp_runs_ragged_dot_and_matches_the_expert_loop():
     params = {"params": {k: jnp.asarray(rng.normal(size=v) * 0.1, jnp.float32) for k, v in shapes.items()}}
     mesh = ps.build_parallel_state(devices=jax.devices()[:1]).mesh
     outs = []
-    for cls in (GroupedMLP, SequentialMLP):
-        module = cls(e, h, f)
-
+    for module in (GroupedMLP(e, h, f, window=window, implementation=implementation), SequentialMLP(e, h, f)):
         def loss(p, r, module=module):
             return jnp.sum(jnp.sin(module.apply(p, r, group_sizes)[: m - 37]))
 
         fn = jax.jit(jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P(), P()),
                                    out_specs=P(), check_vma=False))
-        if cls is GroupedMLP:
-            assert "ragged_dot" in str(jax.make_jaxpr(fn)(params, rows))
+        if isinstance(module, GroupedMLP):
+            assert ("ragged_dot" in str(jax.make_jaxpr(fn)(params, rows))) == (implementation == "ragged_dot")
         with jax.default_matmul_precision("highest"):
             outs.append(fn(params, rows))
     _close(outs[0], outs[1], 1e-4)
