@@ -28,3 +28,29 @@ def test_checkpoint_row_is_sane(tmp_path):
     phases = row["writer_phases_ms"]  # the writer process's save, timed in the training process
     assert set(phases) == set(bench_checkpoint.PHASES) and all(v >= 0 for v in phases.values())
     assert phases["writer"] > 0 and bench_checkpoint.phases_table([row]).count("ms |") == len(phases)
+
+
+def test_snapshot_designs_measure_the_same_bytes():
+    spec = importlib.util.spec_from_file_location("bench_snapshot_dispatch", ROOT / "bench" / "snapshot_dispatch.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import jax
+    import numpy as np
+
+    rows = bench.measure(bench.SMOKE_MODEL, reps=2)
+    assert [r["program"] for r in rows[:3]] == ["step", "per leaf (as now)", "packed by dtype"]
+    for r in rows:  # the step has no outputs to stage
+        keys = ("dispatch", "run") + (("wall", "cpu") if r["outputs"] else ())
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in keys), r
+    per_leaf, packed = rows[1], rows[2]
+    assert packed["outputs"] < per_leaf["outputs"] and abs(packed["out_mib"] - per_leaf["out_mib"]) < 0.01
+    assert "| packed by dtype | 2 |" in bench.table(rows, "cpu")
+    # The packed blocks hold the per-leaf snapshot's values, leaf after leaf (one device).
+    trainer = bench_checkpoint._trainer(bench.SMOKE_MODEL, 1, [])
+    programs = bench.programs(trainer)
+    args = (trainer.params, trainer.opt_state, trainer.moe_state)
+    leaves = jax.tree.leaves(programs["per leaf (as now)"](*args))
+    blocks = programs["packed by dtype"](*args)
+    for dtype, block in blocks.items():
+        expected = np.concatenate([np.asarray(x).reshape(-1) for x in leaves if str(x.dtype) == dtype])
+        np.testing.assert_array_equal(np.asarray(block).reshape(-1), expected)
