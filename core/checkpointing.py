@@ -52,7 +52,7 @@ from etils import epath
 from core import checkpoint_writer
 
 __all__ = ["CheckpointSaver", "complete_steps", "latest_step", "latest_valid_step", "load_metadata",
-           "restore_checkpoint", "save_checkpoint", "verify_checkpoint", "why_nothing_to_load"]
+           "restore_checkpoint", "save_checkpoint", "step_problem", "verify_checkpoint", "why_nothing_to_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +179,20 @@ def latest_valid_step(directory: str | os.PathLike) -> tuple[int | None, list[st
     process resumes from the same step at the cost of one read of the checkpoint."""
     step, skipped = _from_process_0("latest_valid_step", lambda: _find_latest_valid(directory))
     return step, list(skipped)
+
+
+def step_problem(directory: str | os.PathLike, step: int) -> str | None:
+    """Why step ``step`` of ``directory`` cannot be loaded (one phrase: not there, incomplete, or
+    the first damaged file), or None when it is complete and intact. Collective as
+    :func:`latest_valid_step`: process 0 alone reads the files."""
+
+    def check() -> str | None:
+        if step not in complete_steps(directory):
+            found = complete_steps(directory) if os.path.isdir(directory) else "no such directory"
+            return f"no complete checkpoint {step} (complete checkpoints: {found})"
+        return verify_checkpoint(directory, step)
+
+    return _from_process_0("step_problem", check)
 
 
 def why_nothing_to_load(directory: str | os.PathLike) -> str | None:

@@ -113,7 +113,12 @@ def _run(args, layout, rank: int) -> int:
     release_cpu_affinity()  # the backend has sized its thread pool
     try:
         trainer = Pretrainer(args, layout, state)
-        resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim)
+        resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim,
+                                                   step=args.ckpt_step, finetune=args.finetune)
+        if args.load and not resumed and args.exit_on_missing_checkpoint:
+            raise TrainingError(f"--load {args.load}: {checkpointing.why_nothing_to_load(args.load)} "
+                                "(--exit-on-missing-checkpoint)")
+        trainer.check_save_directory()
     except (ValueError, FileNotFoundError, TrainingError) as e:
         _fail(rank, EXIT_BAD_INPUT, str(e))
     logger = TrainingLogger(args.train_iters, trainer.iteration, args.metrics_file, not args.no_progress_bar)
@@ -129,7 +134,9 @@ def _run(args, layout, rank: int) -> int:
                  f"{data.unigram_entropy:.4f} nats")
     for skipped in trainer.skipped_checkpoints:
         logger.print(f"WARNING: --load {args.load}: {skipped}")
-    if resumed:
+    if resumed and args.finetune:
+        logger.print(f"> finetuning from the parameters in {args.load}: iteration 0, a fresh optimizer state")
+    elif resumed:
         logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
     elif args.load:  # as Megatron: say so, then train from random (a first run's --load DIR is normal)
         logger.print(f"WARNING: --load {args.load}: {checkpointing.why_nothing_to_load(args.load)}; "

@@ -20,6 +20,7 @@ from core.checkpointing import (
     load_metadata,
     restore_checkpoint,
     save_checkpoint,
+    step_problem,
 )
 
 pytestmark = pytest.mark.mpi(min_size=8)
@@ -133,3 +134,8 @@ def test_async_saves_commit_in_the_background_and_process_0_picks_the_resume_ste
     step, skipped = latest_valid_step(shared_dir)
     assert step == 2 and len(skipped) == 1 and "truncated" in skipped[0]
     assert MPI.COMM_WORLD.allgather((step, skipped)) == [(step, skipped)] * 8
+    # --ckpt-step's check, also process 0's answer on every process
+    problems = [step_problem(shared_dir, s) for s in (2, 3, 4)]
+    assert problems[0] is None and "truncated" in problems[1]
+    assert problems[2] == "no complete checkpoint 4 (complete checkpoints: [2, 3])"
+    assert MPI.COMM_WORLD.allgather(problems) == [problems] * 8

@@ -62,8 +62,11 @@ def _assert_refused(flags, message):
                                                              "num-query-groups 3"),
     (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
      "num-query-groups 1 is not divisible by tensor-model-parallel-size 2"),
+    (["--finetune"], "--finetune needs --load DIR"),
+    (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),
+    (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load DIR"),
 ], ids=["ffn0", "ffn-neg", "lr", "min-lr", "attn-dropout", "hidden-dropout", "rotary", "std", "divisible", "gqa",
-        "gqa-tp"])
+        "gqa-tp", "finetune", "ckpt-step", "exit-on-missing"])
 def test_values_that_cannot_work_are_refused(flags, message):
     _assert_refused(flags, message)
 

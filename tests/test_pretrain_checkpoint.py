@@ -265,3 +265,68 @@ def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path):
     b = _trainer(2, 2, "--use-distributed-optimizer")
     with pytest.raises(TrainingError, match=f"no intact checkpoint \\(checkpoint step 3 skipped: {victim} has 1 bytes"):
         b.load(copy)
+
+
+def test_megatron_load_flags_ckpt_step_and_finetune_and_a_save_directory_ahead(tmp_path):
+    """``--ckpt-step`` loads that checkpoint; ``--finetune`` the parameters only, from iteration 0
+    at the start of the data with a fresh optimizer state; a run whose ``--save`` holds a newer
+    checkpoint stops before its first step (its saves could not be newer)."""
+    directory = str(tmp_path / "ckpt")
+    a = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
+    a.step(), a.step()
+    a.save(directory)
+    params_2 = _host(a.params)
+    a.step()
+    a.save(directory)
+    params_3 = _host(a.params)
+    b = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
+    fresh_opt_state = _host(b.opt_state)
+    assert b.load(directory, step=2) and (b.iteration, b.data.sampler.consumed_samples) == (2, 2 * 16)
+    jax.tree.map(np.testing.assert_array_equal, _host(b.params), params_2)
+    with pytest.raises(TrainingError, match=r"--ckpt-step 5: no complete checkpoint 5 \(complete checkpoints: "
+                                            r"\[2, 3\]\)"):
+        b.load(directory, step=5)
+    c = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
+    assert c.load(directory, finetune=True) and (c.iteration, c.data.sampler.consumed_samples) == (0, 0)
+    jax.tree.map(np.testing.assert_array_equal, _host(c.params), params_3)
+    jax.tree.map(np.testing.assert_array_equal, _host(c.opt_state), fresh_opt_state)
+    assert np.isfinite(c.step()["loss"]) and c.iteration == 1
+    copy = str(tmp_path / "copy")  # a damaged checkpoint asked for by step is refused, naming the file
+    shutil.copytree(directory, copy)
+    victim = max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(copy, "2")) for f in fs
+                  if f != "integrity.json"), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(1)
+    with pytest.raises(TrainingError, match=f"--ckpt-step 2: {victim} has 1 bytes"):
+        b.load(copy, step=2)
+    d = _trainer(1, 1, "--use-distributed-optimizer", "--save", directory, devices=2)
+    with pytest.raises(TrainingError, match=f"--save {directory} already holds checkpoint 3, newer than this "
+                                            r"run's start \(iteration 0\)"):
+        d.train()
+    assert d.iteration == 0 and checkpointing.complete_steps(directory) == [2, 3]
+    damaged = str(tmp_path / "damaged")  # resumed from 2 past a damaged 3 in the same directory: said so
+    shutil.copytree(directory, damaged)
+    victim = max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(damaged, "3")) for f in fs
+                  if f != "integrity.json"), key=os.path.getsize)
+    with open(victim, "r+b") as f:
+        f.truncate(1)
+    e = _trainer(1, 1, "--use-distributed-optimizer", "--load", damaged, "--save", damaged, devices=2)
+    assert e.load(damaged) and e.iteration == 2 and len(e.skipped_checkpoints) == 1
+    with pytest.raises(TrainingError, match=f"--save {damaged} holds checkpoint 3, newer than iteration 2 this run "
+                                            f"resumed from, but damaged \\(skipped at --load\\): move it out"):
+        e.train()
+
+
+def test_no_save_optim_checkpoint_holds_the_params_only(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    a = _trainer(1, 1, "--use-distributed-optimizer", "--no-save-optim", devices=2)
+    a.step()
+    assert set(a.checkpoint_state()[0]) == {"params"}  # the optimizer state is not even gathered
+    a.save(directory)
+    assert checkpointing.load_metadata(directory)["optimizer_saved"] is False
+    b = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
+    with pytest.raises(TrainingError, match="saved without its optimizer state \\(--no-save-optim\\): pass "
+                                            "--no-load-optim"):
+        b.load(directory)
+    assert b.load(directory, load_optimizer=False) and b.iteration == 1
+    jax.tree.map(np.testing.assert_array_equal, _host(b.params), _host(a.params))

@@ -69,7 +69,8 @@ def test_help_lists_megatron_flags():
                  "--overlap-grad-reduce", "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
                  "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--min-lr",
                  "--lr-warmup-iters", "--lr-decay-style", "--weight-decay", "--clip-grad", "--seed", "--bf16",
-                 "--data-path", "--save", "--load", "--save-interval", "--eval-interval", "--eval-iters",
+                 "--data-path", "--save", "--load", "--save-interval", "--no-load-optim", "--no-save-optim",
+                 "--finetune", "--ckpt-step", "--exit-on-missing-checkpoint", "--eval-interval", "--eval-iters",
                  "--log-interval", "--metrics-file", "--normalization", "--swiglu", "--group-query-attention",
                  "--num-query-groups", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
                  "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by"]:
@@ -242,3 +243,9 @@ def test_plain_python_single_process(tmp_path, user_devices):
     devices = int(user_devices or max(n for n in range(1, cores + 1) if 16 % (4 * n) == 0))
     assert f"1 processes, {devices} cpu devices, layout tp=1 pp=1 dp={devices}" in result.stdout
     assert sorted(_losses(metrics)) == [1, 5]  # logged at iteration 1 and every --log-interval
+    if user_devices is not None:  # Megatron's --exit-on-missing-checkpoint: the same --load is an error instead
+        result = subprocess.run([sys.executable, PRETRAIN, *flags, "--exit-on-missing-checkpoint"], capture_output=True,
+                                text=True, timeout=300, env=env, cwd=ROOT)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        assert (f"error: --load {tmp_path / 'ckpt'}: no complete checkpoint (skipped incomplete step directories "
+                "[4]: no commit_success.txt) (--exit-on-missing-checkpoint)") in result.stderr.splitlines()

@@ -174,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--no-load-optim", action="store_true", help="load only parameters (e.g. into another layout)")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints hold the parameters only (about a quarter of the bytes with Adam); resume from "
+                        "one with --no-load-optim or --finetune")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the parameters only from --load and start a new run from them: iteration 0, the "
+                        "start of the data, a fresh optimizer state")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration's checkpoint from --load instead of the newest")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="exit with an error when --load holds no checkpoint, instead of starting from random "
+                        "initialization (a path typo)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="skip the update of a step with a NaN/Inf gradient and name the parameters and ranks "
                         "that had it (the run stops at a non-finite loss or grad norm either way)")
@@ -292,6 +303,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    for flag in ("finetune", "ckpt_step", "exit_on_missing_checkpoint"):
+        if getattr(args, flag) not in (None, False) and args.load is None:
+            raise ArgumentError(f"--{flag.replace('_', '-')} needs --load DIR")
     validate_data_args(args)
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep)
 

@@ -498,7 +498,8 @@ class Pretrainer:
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, metadata)`` as a checkpoint stores them: params, the optimizer state in the
         layout-independent form
-        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`) and the
+        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`; not with
+        ``--no-save-optim``) and the
         MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
         data position, seed, layout and model shape. The arrays are new ones, computed by one
         jitted program (dispatched, not waited for): the next training step may update or donate
@@ -506,7 +507,8 @@ class Pretrainer:
         if self._checkpoint_records is None:  # built once: an async save's blocking part is on the step loop
             self._checkpoint_records = json.dumps({"layout": self.layout_record(), "model": self.model_record()})
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, **json.loads(self._checkpoint_records), "optimizer_format": OPTIMIZER_FORMAT}
+                "seed": self.args.seed, **json.loads(self._checkpoint_records), "optimizer_format": OPTIMIZER_FORMAT,
+                "optimizer_saved": self._saves_optimizer}
         if self._checkpoint_copy is None:
             self._checkpoint_copy = self._make_checkpoint_copy()
         state = self._checkpoint_copy(self.params, self.opt_state, self.moe_state)
@@ -522,8 +524,10 @@ class Pretrainer:
         split = jax.tree.map(self.ddp.checkpoint_sharding, self.params)
 
         def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-            return {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split),
-                    "opt_state": self.ddp.optimizer_state_to_global(opt_state), "moe_state": moe_state}
+            state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split), "moe_state": moe_state}
+            if self._saves_optimizer:
+                state["opt_state"] = self.ddp.optimizer_state_to_global(opt_state)
+            return state
 
         def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
             # A real copy of the inputs; XLA elides it for what the program computes (the
@@ -535,9 +539,15 @@ class Pretrainer:
         if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
             return jax.jit(copy)  # merge_chunks is the identity
         # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
-        opt_state = jax.tree.map(lambda x: x.sharding, self.ddp.optimizer_state_global_abstract())
-        moe_state = jax.tree.map(lambda x: x.sharding, self.moe_state)
-        return jax.jit(copy, out_shardings={"params": split, "opt_state": opt_state, "moe_state": moe_state})
+        shardings = {"params": split, "moe_state": jax.tree.map(lambda x: x.sharding, self.moe_state)}
+        if self._saves_optimizer:
+            shardings["opt_state"] = jax.tree.map(lambda x: x.sharding, self.ddp.optimizer_state_global_abstract())
+        return jax.jit(copy, out_shardings=shardings)
+
+    @property
+    def _saves_optimizer(self) -> bool:
+        """Whether checkpoints hold the optimizer state (not with ``--no-save-optim``)."""
+        return not getattr(self.args, "no_save_optim", False)
 
     def save(self, directory: str) -> None:
         """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
@@ -575,16 +585,27 @@ class Pretrainer:
             if close:
                 self._saver = None
 
-    def load(self, directory: str, load_optimizer: bool = True) -> bool:
+    def load(self, directory: str, load_optimizer: bool = True, step: int | None = None,
+             finetune: bool = False) -> bool:
         """Resume from the newest intact checkpoint in ``directory`` in this run's layout, whatever
         the layout it was saved in; False if there is none yet. Newer checkpoints with a damaged
         file are skipped and listed in ``skipped_checkpoints``; if every one is damaged,
-        :class:`TrainingError` names the files."""
-        step, self.skipped_checkpoints = checkpointing.latest_valid_step(directory)
-        if step is None and self.skipped_checkpoints:
-            raise TrainingError(f"--load {directory}: no intact checkpoint ({'; '.join(self.skipped_checkpoints)})")
+        :class:`TrainingError` names the files.
+
+        ``step`` (``--ckpt-step``): load that checkpoint, not the newest; :class:`TrainingError`
+        if it is missing, incomplete or damaged. ``finetune`` (``--finetune``): the parameters
+        only (no optimizer state), and the run starts at iteration 0 at the start of the data."""
+        load_optimizer = load_optimizer and not finetune
         if step is None:
-            return False
+            step, self.skipped_checkpoints = checkpointing.latest_valid_step(directory)
+            if step is None and self.skipped_checkpoints:
+                raise TrainingError(f"--load {directory}: no intact checkpoint ({'; '.join(self.skipped_checkpoints)})")
+            if step is None:
+                return False
+        else:
+            problem = checkpointing.step_problem(directory, step)
+            if problem is not None:
+                raise TrainingError(f"--load {directory} --ckpt-step {step}: {problem}")
         meta = checkpointing.load_metadata(directory, step)
         self._check_compatible(directory, meta, load_optimizer)
         if meta.get("optimizer_format") == OPTIMIZER_FORMAT:  # any layout, any vpp
@@ -608,16 +629,41 @@ class Pretrainer:
             self.params = restored["params"]
             if load_optimizer:
                 self.opt_state = restored["opt_state"]
+        if finetune:  # Megatron's --finetune: a new run from these weights
+            return True
         self.iteration = int(meta["iteration"])
         position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
         self.data.sampler.load_state_dict(position)
         return True
+
+    def check_save_directory(self) -> None:
+        """Raise :class:`TrainingError` if ``--save`` already holds a checkpoint newer than this
+        run's current iteration: a save would then not be newer, and would fail only when the run
+        reaches it (a new run pointed at an old run's directory, or ``--finetune`` writing where a
+        run saved)."""
+        if not self.args.save:
+            return
+        latest = checkpointing.latest_step(self.args.save)
+        if latest is None or latest <= self.iteration:
+            return
+        if self.skipped_checkpoints and self.args.load and os.path.abspath(self.args.load) == os.path.abspath(
+                self.args.save):
+            raise TrainingError(
+                f"--save {self.args.save} holds checkpoint {latest}, newer than iteration {self.iteration} this run "
+                f"resumed from, but damaged (skipped at --load): move it out of {self.args.save} to save there again")
+        raise TrainingError(
+            f"--save {self.args.save} already holds checkpoint {latest}, newer than this run's start "
+            f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
+            f"{self.args.save} (without --finetune), or save elsewhere")
 
     def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool) -> None:
         saved = meta["model"]
         diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items() if saved.get(k) != v]
         if diff:
             raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
+        if load_optimizer and meta.get("optimizer_saved") is False:
+            raise TrainingError(f"checkpoint {meta['iteration']} in {directory} was saved without its optimizer "
+                                "state (--no-save-optim): pass --no-load-optim (or --finetune) to load its parameters")
         # Checkpoints written before context parallelism existed were all cp=1.
         old, new = {"context_parallel_size": 1, **meta["layout"]}, self.layout_record()
         global_format = meta.get("optimizer_format") == OPTIMIZER_FORMAT
@@ -660,7 +706,10 @@ class Pretrainer:
 
     def train(self) -> list[dict[str, Any]]:
         """Run to ``--train-iters`` (or ``--exit-interval``); returns every iteration's record.
-        Returns (or raises) only once the last checkpoint is committed."""
+        Returns (or raises) only once the last checkpoint is committed; raises
+        :class:`TrainingError` before the first step if ``--save`` holds a newer checkpoint
+        (:meth:`check_save_directory`)."""
+        self.check_save_directory()
         try:
             return self._train_loop()
         finally:
