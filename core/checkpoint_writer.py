@@ -490,6 +490,11 @@ def main(argv: list[str]) -> None:
     """The writer process: ``python -m core.checkpoint_writer FD ADDRESS PROCESSES INDEX NICE``."""
     start = time.perf_counter()
     _die_with_parent()
+    # A scheduler's warning signal (or Ctrl-C) reaches the whole job, this process too: it must
+    # outlive it to write the checkpoint that --exit-signal-handler saves. It still ends with its
+    # training process (the parent-death signal, end of file on the socket).
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, signal.SIG_IGN)
     fd, address, processes, index, lowest = int(argv[0]), argv[1], int(argv[2]), int(argv[3]), argv[4] == "1"
     if lowest:
         os.nice(WRITER_NICE)

@@ -147,6 +147,11 @@ def _run(args, layout, rank: int) -> int:
         logger.close()
         _fail(rank, EXIT_TRAINING_FAILED, str(e))
     logger.close()
+    exits = trainer.exit_conditions
+    if exits is not None and exits.reason:  # Megatron's early exits: no final evaluation, the time is short
+        saved = f"checkpoint {trainer.iteration} saved to {args.save}" if args.save else "nothing saved (no --save)"
+        logger.print(f"> exiting at iteration {trainer.iteration}: {exits.describe()}; {saved}")
+        return 0
     if records:
         last = records[-1]
         logger.print(f"> done: iteration {trainer.iteration}, loss {last['loss']:.4f}, "

@@ -203,6 +203,23 @@ def test_a_killed_writer_is_reported_and_the_next_save_starts_a_new_one(tmp_path
     _assert_equal(restored, _state(3))
 
 
+def test_the_writer_outlives_the_signals_a_job_receives(tmp_path):
+    """A scheduler's warning signal (or Ctrl-C's SIGINT) reaches the whole job, writers included:
+    each must outlive it to write the checkpoint that --exit-signal-handler then saves."""
+    directory = str(tmp_path / "ckpt")
+    saver = CheckpointSaver(directory, async_save=True)
+    saver.save(1, _state(1), {"iteration": 1})
+    saver.wait()
+    pid = saver._process.pid
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        os.kill(pid, number)
+    saver.save(2, _state(2), {"iteration": 2})
+    saver.wait()
+    assert saver._process.pid == pid and saver._process.alive
+    saver.close()
+    assert complete_steps(directory) == [1, 2]
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the priority is lowered on the CPU backend only")
 def test_the_writer_runs_at_the_lowest_priority_on_cpu(tmp_path):
     saver = CheckpointSaver(str(tmp_path / "ckpt"), async_save=True)

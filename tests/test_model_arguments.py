@@ -65,8 +65,10 @@ def _assert_refused(flags, message):
     (["--finetune"], "--finetune needs --load DIR"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),
     (["--exit-on-missing-checkpoint"], "--exit-on-missing-checkpoint needs --load DIR"),
+    (["--exit-interval", "0"], "--exit-interval must be >= 1, got 0"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be > 0, got 0.0"),
 ], ids=["ffn0", "ffn-neg", "lr", "min-lr", "attn-dropout", "hidden-dropout", "rotary", "std", "divisible", "gqa",
-        "gqa-tp", "finetune", "ckpt-step", "exit-on-missing"])
+        "gqa-tp", "finetune", "ckpt-step", "exit-on-missing", "exit-interval", "exit-duration"])
 def test_values_that_cannot_work_are_refused(flags, message):
     _assert_refused(flags, message)
 

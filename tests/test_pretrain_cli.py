@@ -70,7 +70,8 @@ def test_help_lists_megatron_flags():
                  "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--min-lr",
                  "--lr-warmup-iters", "--lr-decay-style", "--weight-decay", "--clip-grad", "--seed", "--bf16",
                  "--data-path", "--save", "--load", "--save-interval", "--no-load-optim", "--no-save-optim",
-                 "--finetune", "--ckpt-step", "--exit-on-missing-checkpoint", "--eval-interval", "--eval-iters",
+                 "--finetune", "--ckpt-step", "--exit-on-missing-checkpoint", "--exit-interval",
+                 "--exit-duration-in-mins", "--exit-signal-handler", "--exit-signal", "--eval-interval", "--eval-iters",
                  "--log-interval", "--metrics-file", "--normalization", "--swiglu", "--group-query-attention",
                  "--num-query-groups", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
                  "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by"]:
@@ -249,3 +250,52 @@ def test_plain_python_single_process(tmp_path, user_devices):
         assert result.returncode == 2 and "Traceback" not in result.stderr
         assert (f"error: --load {tmp_path / 'ckpt'}: no complete checkpoint (skipped incomplete step directories "
                 "[4]: no commit_success.txt) (--exit-on-missing-checkpoint)") in result.stderr.splitlines()
+
+
+def _catches(pid, signum):
+    """Whether process ``pid`` has a handler installed for ``signum`` (``SigCgt`` in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
+def test_sigterm_to_one_rank_saves_and_stops_every_rank_and_the_run_resumes(tmp_path, uninterrupted):
+    """Megatron's --exit-signal-handler under mpirun, the signal sent to rank 2 only (a scheduler
+    signals every rank, maybe not at once): every rank stops at the same iteration, the checkpoint
+    there is committed (by the writer processes, which the job's signals must not end), the job
+    exits 0, and --load continues the uninterrupted curve bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    flags = KILL_FLAGS + ["--save", str(ckpt), "--async-save", "--exit-signal-handler",
+                          "--metrics-file", str(tmp_path / "a.jsonl")]
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(_mpirun(4) + flags, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        ranks = []  # SIGTERM is caught once jax.distributed is initialized (JAX's preemption service)
+        while (len(ranks) < 4 or not all(_catches(pid, signal.SIGTERM) for pid in ranks)) and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+            ranks = sorted(_rank_pids(proc.pid))
+        assert proc.poll() is None and len(ranks) == 4, (tmp_path / "run.log").read_text()[-3000:]
+        os.kill(ranks[2], signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        left = _session_pids(proc.pid)
+    finally:
+        _kill_session(proc.pid)
+    out = (tmp_path / "run.log").read_text()
+    assert rc == 0, out[-3000:]
+    assert not left, f"processes outlived the job: {left}"
+    stopped = int(out.split("> exiting at iteration ")[1].split(":")[0])
+    assert f"> exiting at iteration {stopped}: SIGTERM received (--exit-signal-handler); checkpoint {stopped} " \
+           f"saved to {ckpt}" in out
+    assert stopped < 12 and [int(d.name) for d in ckpt.iterdir() if d.name.isdigit()] == [stopped]
+    resumed = _run(4, KILL_FLAGS + ["--save", str(ckpt), "--load", str(ckpt), "--metrics-file",
+                                    str(tmp_path / "b.jsonl")])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = _losses(tmp_path / "b.jsonl")
+    assert sorted(after) == list(range(stopped + 1, 13))
+    assert {i: uninterrupted[i] for i in after} == after  # bit-identical

@@ -204,7 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--no-progress-bar", action="store_true")
-    g.add_argument("--exit-interval", type=int, default=None, help="stop after this many iterations (testing)")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="save (with --save) and exit at the next iteration divisible by this value")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit once this many minutes have passed since the trainer was built "
+                        "(all processes at the same iteration)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal, save (with --save) and exit with code 0 at the next iteration, all "
+                        "processes together (a scheduler's warning before it ends the job)")
+    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+                   help="the signal --exit-signal-handler catches")
     g.add_argument("--profile", action="store_true",
                    help="jax.profiler trace of iterations (--profile-step-start, --profile-step-end]")
     g.add_argument("--profile-step-start", type=int, default=10, help="iterations run before the trace starts")
@@ -303,6 +312,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(f"--save-interval must be >= 1, got {args.save_interval}")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save DIR")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ArgumentError(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
     for flag in ("finetune", "ckpt_step", "exit_on_missing_checkpoint"):
         if getattr(args, flag) not in (None, False) and args.load is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --load DIR")

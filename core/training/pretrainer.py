@@ -62,6 +62,7 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
 from core.training.device_peak import device_peak
+from core.training.exit_conditions import ExitConditions
 from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
 from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
@@ -356,6 +357,14 @@ class Pretrainer:
         self._peak = None
         self.iteration = 0
         self.skipped_checkpoints: list[str] = []
+        signal_name = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
+        minutes = getattr(args, "exit_duration_in_mins", None)
+        self.exit_conditions = ExitConditions(state.mesh, signal_name, None if minutes is None else minutes * 60) \
+            if signal_name is not None or minutes is not None else None
+        """Megatron's ``--exit-signal-handler`` and ``--exit-duration-in-mins`` (None without
+        either): checked every iteration by :meth:`train`, which saves and stops where every
+        process agrees; its ``reason`` says why a run stopped early (0: it did not). The signal
+        is caught and the time budget counted from here."""
         self._saver: checkpointing.CheckpointSaver | None = None
         self._checkpoint_copy: Callable | None = None
         self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
@@ -705,20 +714,30 @@ class Pretrainer:
         return i == 1 or i == stop or i % args.log_interval == 0 or evaluate or save
 
     def train(self) -> list[dict[str, Any]]:
-        """Run to ``--train-iters`` (or ``--exit-interval``); returns every iteration's record.
+        """Run to ``--train-iters`` (or the next multiple of ``--exit-interval``, or until an
+        :attr:`exit_conditions` stop, saving there); returns every iteration's record.
         Returns (or raises) only once the last checkpoint is committed; raises
         :class:`TrainingError` before the first step if ``--save`` holds a newer checkpoint
         (:meth:`check_save_directory`)."""
         self.check_save_directory()
+        exits = self.exit_conditions
+        if exits is not None:
+            exits.install()  # again after a previous train(); given back once the last checkpoint is committed
         try:
-            return self._train_loop()
+            try:
+                return self._train_loop()
+            finally:
+                self.finish_saving()
         finally:
-            self.finish_saving()
+            if exits is not None:
+                exits.uninstall()
 
     def _train_loop(self) -> list[dict[str, Any]]:
         args = self.args
         records, pending = [], []
-        stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+        stop = args.train_iters
+        if args.exit_interval:  # Megatron's: the next iteration divisible by it
+            stop = min(stop, (self.iteration // args.exit_interval + 1) * args.exit_interval)
         profiler = StepProfiler(args, jax.process_index())
         start = time.perf_counter()
         try:
@@ -726,6 +745,8 @@ class Pretrainer:
                 profiler.before_step(self.iteration, [r["loss"] for r in pending])
                 pending.append(self.dispatch_step())
                 profiler.after_step(self.iteration, pending[-1]["loss"])
+                if self.exit_conditions is not None and self.exit_conditions.poll(self.iteration):
+                    stop = self.iteration  # every process agreed: collect, save and stop here
                 pending, start = self._after_dispatch(records, pending, stop, start)
         finally:
             profiler.close()
