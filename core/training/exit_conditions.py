@@ -41,7 +41,7 @@ SIGNAL_RECEIVED, DURATION_ELAPSED = 1, 2
 def _jax_catches_sigterm() -> bool:
     """Whether JAX's preemption service handles SIGTERM in this job (several processes, the
     service on: ``jax_enable_preemption_service``)."""
-    return jax.process_count() > 1 and bool(jax.config.jax_enable_preemption_service)
+    return jax.process_count() > 1 and bool(getattr(jax.config, "jax_enable_preemption_service", False))
 
 
 class ExitConditions:
