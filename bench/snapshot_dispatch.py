@@ -96,19 +96,22 @@ def programs(trainer: Any) -> dict[str, Callable]:
 
 
 def _to_host(outputs: Any) -> tuple[float, float]:
-    """``(wall, thread CPU)`` seconds of the save thread's staging of ``outputs``: one batched
-    ``device_put`` into pinned host memory where the device has it, then ``np.asarray`` of each."""
+    """``(wall, thread CPU)`` seconds of the save thread's staging of ``outputs``' shards as the
+    writer process stages them (``core.checkpoint_writer._to_host``: one batched ``device_put``
+    into pinned host memory where the device has it), then ``np.asarray`` of each; outputs already
+    in pinned host memory are only read."""
     import jax
     import numpy as np
 
+    from core.checkpoint_writer import _to_host as stage
+
     leaves = jax.tree.leaves(outputs)
     wall, cpu = time.perf_counter(), time.thread_time()
-    if all(any(m.kind == "pinned_host" for m in next(iter(x.devices())).addressable_memories()) for x in leaves) and \
-            all(x.sharding.memory_kind != "pinned_host" for x in leaves):
-        leaves = jax.device_put(leaves, [x.sharding.with_memory_kind("pinned_host") for x in leaves])
-    for x in leaves:
-        for shard in x.addressable_shards:
-            np.asarray(shard.data)
+    shards = [shard.data for x in leaves for shard in x.addressable_shards]
+    if any(x.sharding.memory_kind != "pinned_host" for x in leaves):
+        shards = stage(shards, pinned_host=True)
+    for x in shards:
+        np.asarray(x)
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 

@@ -187,8 +187,9 @@ def step_problem(directory: str | os.PathLike, step: int) -> str | None:
     :func:`latest_valid_step`: process 0 alone reads the files."""
 
     def check() -> str | None:
-        if step not in complete_steps(directory):
-            found = complete_steps(directory) if os.path.isdir(directory) else "no such directory"
+        steps = complete_steps(directory)
+        if step not in steps:
+            found = steps if os.path.isdir(directory) else "no such directory"
             return f"no complete checkpoint {step} (complete checkpoints: {found})"
         return verify_checkpoint(directory, step)
 

@@ -30,6 +30,10 @@ class ArgumentError(ValueError):
     """Flags that cannot work together (reported as one line, exit code 2)."""
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""The signals ``--exit-signal`` may name (Megatron's choices; :mod:`core.training.exit_conditions`)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--help`` lists every flag)."""
     p = argparse.ArgumentParser(
@@ -212,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on --exit-signal, save (with --save) and exit with code 0 at the next iteration, all "
                         "processes together (a scheduler's warning before it ends the job)")
-    g.add_argument("--exit-signal", choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"], default="SIGTERM",
+    g.add_argument("--exit-signal", choices=EXIT_SIGNALS, default="SIGTERM",
                    help="the signal --exit-signal-handler catches")
     g.add_argument("--profile", action="store_true",
                    help="jax.profiler trace of iterations (--profile-step-start, --profile-step-end]")

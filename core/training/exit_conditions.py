@@ -31,8 +31,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT, "SIGUSR1": signal.SIGUSR1, "SIGUSR2": signal.SIGUSR2}
-"""The signals ``--exit-signal`` may name (Megatron's choices)."""
+from core.training.arguments import EXIT_SIGNALS
+
+SIGNALS = {name: getattr(signal, name) for name in EXIT_SIGNALS}
+"""The signals ``--exit-signal`` may name (Megatron's choices), by name."""
 
 SIGNAL_RECEIVED, DURATION_ELAPSED = 1, 2
 """The reasons, as bits of :attr:`ExitConditions.reason`."""
