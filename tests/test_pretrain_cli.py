@@ -24,7 +24,9 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 
 def _env():
-    return spawn_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false")
+    # These jobs train for tens of iterations: their time is running programs, not compiling them,
+    # and XLA's optimizations (which tests/run.sh turns off for the rest of the suite) pay here.
+    return spawn_env(XLA_FLAGS="--xla_cpu_multi_thread_eigen=false", JAX_DISABLE_MOST_OPTIMIZATIONS="0")
 
 
 def _mpirun(n):
