@@ -14,7 +14,8 @@ if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_RO
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
 # Most of this suite's time is XLA compiling small programs that then run for milliseconds: with
 # LLVM's optimizations off (JAX's own switch) it took 15% less time on 2 cores (32.3 -> 27.6 min,
-# 2026-11-28). Tests that train for many iterations in subprocesses turn it back off.
+# 2026-11-28). The launch/pretrain.py jobs of tests/test_pretrain_cli.py, which train for tens of
+# iterations, set it to 0: they keep the optimizations.
 export JAX_DISABLE_MOST_OPTIMIZATIONS=${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}
 
 # Two pytest-xdist workers (TEST_WORKERS) share level 1 file by file: most of its time is XLA
