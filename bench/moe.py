@@ -106,7 +106,7 @@ def trainer(flags: list[str], devices: int) -> Any:
     from core.training.pretrainer import Pretrainer
 
     args = parse_args([*flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                       "--train-iters", "100000", "--eval-interval", "100000000", "--lr", "1e-4",
+                       "--train-iters", "100000", "--eval-interval", "100000000", "--lr", "1e-4", "--min-lr", "1e-5",
                        "--no-progress-bar"])
     layout = validate_args(args, devices)
     state = ps.build_parallel_state(1, 1, expert_model_parallel_size=layout.expert_model_parallel_size,

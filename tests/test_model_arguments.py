@@ -73,6 +73,42 @@ def test_values_that_cannot_work_are_refused(flags, message):
     _assert_refused(flags, message)
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--lr", "1e-4", "--min-lr", "1e-2"], "--min-lr 0.01 is above --lr 0.0001: the decay would raise the learning "
+                                          "rate (Megatron requires min-lr <= lr)"),
+    (["--lr-warmup-iters", "4", "--lr-decay-iters", "2"], "--lr-warmup-iters 4 does not end before the decay does "
+                                                          "at iteration 2 (--lr-decay-iters)"),
+    (["--lr-warmup-iters", "5", "--train-iters", "5"], "--lr-warmup-iters 5 does not end before the decay does at "
+                                                       "iteration 5 (--train-iters, the default of --lr-decay-iters)"),
+    (["--lr-decay-iters", "0"], "--lr-decay-iters must be >= 1, got 0"),
+    (["--lr-warmup-iters", "-1"], "--lr-warmup-iters must be >= 0, got -1"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0, got -0.1"),
+    (["--adam-beta1", "1.0"], "--adam-beta1 must be in [0, 1), got 1.0"),
+    (["--adam-beta2", "-0.5"], "--adam-beta2 must be in [0, 1), got -0.5"),
+    (["--clip-grad", "-1"], "--clip-grad must be >= 0, got -1.0"),
+], ids=["min-lr-above-lr", "warmup-past-decay", "warmup-past-train", "decay0", "warmup-neg", "wd", "beta1", "beta2",
+        "clip"])
+def test_schedule_and_optimizer_flags_as_megatron_checks_them(flags, message):
+    _assert_refused(flags, message)
+
+
+def test_schedule_defaults_fit_short_runs():
+    """The default warm-up (10) ends before a shorter decay; the default --min-lr is --lr / 10, so a
+    lower --lr alone is accepted (Megatron's own default warm-up is 0, its min-lr 0)."""
+    from core.training.arguments import lr_warmup_iters, min_lr
+    from core.training.pretrainer import learning_rate_schedule
+
+    short = parse_args(["--train-iters", "4", "--lr", "1e-4"])
+    assert (lr_warmup_iters(short), min_lr(short)) == (3, 1e-5)
+    assert lr_warmup_iters(parse_args(["--train-iters", "100"])) == 10
+    assert lr_warmup_iters(parse_args(["--train-iters", "1"])) == 0
+    schedule = learning_rate_schedule(short)
+    rates = [float(schedule(i)) for i in range(4)]
+    assert rates[2] == pytest.approx(1e-4, rel=1e-6) and rates[0] < rates[1] < rates[2]  # warm-up ends at 3
+    validate_args(parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+                              "--train-iters", "1", "--lr", "1e-5"]), 8)
+
+
 def test_context_parallel_layout():
     args = parse_args(["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                        "--context-parallel-size", "2", "--cp-comm-type", "all_gather", "--sequence-parallel"])

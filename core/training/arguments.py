@@ -137,8 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--global-batch-size", type=int, default=16)
     g.add_argument("--train-iters", type=int, default=100)
     g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--min-lr", type=float, default=3e-4)
-    g.add_argument("--lr-warmup-iters", type=int, default=10)
+    g.add_argument("--min-lr", type=float, default=None,
+                   help="learning rate at the end of the decay (default: --lr / 10; at most --lr)")
+    g.add_argument("--lr-warmup-iters", type=int, default=None,
+                   help="iterations of linear warm-up (default: 10, fewer when the decay phase is shorter: Megatron "
+                        "requires warm-up to end before --lr-decay-iters)")
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--weight-decay", type=float, default=0.1)
@@ -287,6 +290,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         if getattr(args, name) < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     _validate_model_values(args)
+    _validate_schedule(args)
     # Before the world size: launch sizes the CPU devices by what validates, and an unsupported
     # cp combination must be named as such rather than as a world size that fits nothing.
     _validate_context_parallel(args)
@@ -581,15 +585,61 @@ def validate_data_args(args: argparse.Namespace) -> DataSource:
     return source
 
 
+DEFAULT_LR_WARMUP_ITERS = 10
+"""``--lr-warmup-iters`` when not given (capped by :func:`lr_warmup_iters` for short runs)."""
+
+
+def min_lr(args: argparse.Namespace) -> float:
+    """``--min-lr``, or ``--lr / 10`` when not given."""
+    return args.min_lr if args.min_lr is not None else args.lr / 10
+
+
+def lr_decay_iters(args: argparse.Namespace) -> int:
+    """The iteration the learning rate reaches ``--min-lr``: ``--lr-decay-iters``, else ``--train-iters``."""
+    return args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+
+
+def lr_warmup_iters(args: argparse.Namespace) -> int:
+    """``--lr-warmup-iters``, or when not given :data:`DEFAULT_LR_WARMUP_ITERS` capped below the
+    decay iterations (a 4-iteration run warms up over 3, as Megatron requires warm-up < decay)."""
+    if args.lr_warmup_iters is not None:
+        return args.lr_warmup_iters
+    return max(0, min(DEFAULT_LR_WARMUP_ITERS, lr_decay_iters(args) - 1))
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """The learning-rate schedule and Adam's flags as Megatron's ``OptimizerParamScheduler`` and
+    torch's Adam check them: ``0 <= min-lr <= lr``, decay iterations >= 1, warm-up before the end
+    of the decay, betas in [0, 1)."""
+    decay = lr_decay_iters(args)
+    checks = [
+        (args.lr >= 0, f"--lr must be >= 0, got {args.lr}"),
+        (min_lr(args) >= 0, f"--min-lr must be >= 0, got {args.min_lr}"),
+        (min_lr(args) <= args.lr, f"--min-lr {min_lr(args):g} is above --lr {args.lr:g}: the decay would raise the "
+                                 "learning rate (Megatron requires min-lr <= lr)"),
+        (args.lr_decay_iters is None or args.lr_decay_iters >= 1,
+         f"--lr-decay-iters must be >= 1, got {args.lr_decay_iters}"),
+        (args.lr_warmup_iters is None or args.lr_warmup_iters >= 0,
+         f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}"),
+        (lr_warmup_iters(args) < decay or lr_warmup_iters(args) == 0,
+         f"--lr-warmup-iters {lr_warmup_iters(args)} does not end before the decay does at iteration {decay} "
+         f"({'--lr-decay-iters' if args.lr_decay_iters is not None else '--train-iters, the default of --lr-decay-iters'}"
+         "): the rate would rise, then drop in one step (Megatron requires warm-up < decay iterations)"),
+        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
+        (0.0 <= args.adam_beta1 < 1.0, f"--adam-beta1 must be in [0, 1), got {args.adam_beta1}"),
+        (0.0 <= args.adam_beta2 < 1.0, f"--adam-beta2 must be in [0, 1), got {args.adam_beta2}"),
+        (args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ArgumentError(message)
+
+
 def _validate_model_values(args: argparse.Namespace) -> None:
     """Values no layout can make work (Megatron would train with some of them silently)."""
     checks = [
         (args.ffn_hidden_size is None or args.ffn_hidden_size >= 1,
          f"--ffn-hidden-size must be >= 1, got {args.ffn_hidden_size}"),
-        (args.lr >= 0, f"--lr must be >= 0, got {args.lr}"),
-        (args.min_lr >= 0, f"--min-lr must be >= 0, got {args.min_lr}"),
-        (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
-        (args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}"),
         (0.0 <= args.attention_dropout < 1.0, f"--attention-dropout must be in [0, 1), got {args.attention_dropout}"),
         (0.0 <= args.hidden_dropout < 1.0, f"--hidden-dropout must be in [0, 1), got {args.hidden_dropout}"),
         (0.0 < args.rotary_percent <= 1.0, f"--rotary-percent must be in (0, 1], got {args.rotary_percent}"),

@@ -60,7 +60,15 @@ from core.distributed.distributed_data_parallel_config import DistributedDataPar
 from core.models.gpt import GPTModel
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
-from core.training.arguments import ParallelLayout, data_source, model_config, tokenizer_from_args
+from core.training.arguments import (
+    ParallelLayout,
+    data_source,
+    lr_decay_iters,
+    lr_warmup_iters,
+    min_lr,
+    model_config,
+    tokenizer_from_args,
+)
 from core.training.device_peak import device_peak
 from core.training.exit_conditions import ExitConditions
 from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
@@ -98,17 +106,18 @@ def _write_error(error: BaseException) -> str:
 
 def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
     """Megatron's schedule: linear warm-up to ``--lr``, then constant/linear/cosine decay to ``--min-lr``."""
-    decay_iters = max(1, (args.lr_decay_iters or args.train_iters) - args.lr_warmup_iters)
+    warmup_iters = lr_warmup_iters(args)
+    decay_iters = max(1, lr_decay_iters(args) - warmup_iters)
     if args.lr_decay_style == "constant":
         decay = optax.constant_schedule(args.lr)
     elif args.lr_decay_style == "linear":
-        decay = optax.linear_schedule(args.lr, args.min_lr, decay_iters)
+        decay = optax.linear_schedule(args.lr, min_lr(args), decay_iters)
     else:
-        decay = optax.cosine_decay_schedule(args.lr, decay_iters, alpha=args.min_lr / args.lr if args.lr else 0.0)
-    if args.lr_warmup_iters <= 0:
+        decay = optax.cosine_decay_schedule(args.lr, decay_iters, alpha=min_lr(args) / args.lr if args.lr else 0.0)
+    if warmup_iters <= 0:
         return decay
-    warmup = optax.linear_schedule(args.lr / args.lr_warmup_iters, args.lr, args.lr_warmup_iters - 1)
-    return optax.join_schedules([warmup, decay], [args.lr_warmup_iters])
+    warmup = optax.linear_schedule(args.lr / warmup_iters, args.lr, warmup_iters - 1)
+    return optax.join_schedules([warmup, decay], [warmup_iters])
 
 
 BATCH_FIELDS = {
