@@ -106,7 +106,7 @@ def test_schedule_defaults_fit_short_runs():
     rates = [float(schedule(i)) for i in range(4)]
     assert rates[2] == pytest.approx(1e-4, rel=1e-6) and rates[0] < rates[1] < rates[2]  # warm-up ends at 3
     validate_args(parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
-                              "--train-iters", "1", "--lr", "1e-5"]), 8)
+                              "--global-batch-size", "32", "--train-iters", "1", "--lr", "1e-5"]), 8)
 
 
 def test_context_parallel_layout():
