@@ -12,6 +12,7 @@ import pytest
 from core.data.gpt_dataset import (
     GPTDataset,
     GPTDatasetConfig,
+    IndexCacheError,
     build_on_rank0_then_share,
     build_sample_index,
     get_ltor_masks_and_position_ids,
@@ -211,6 +212,16 @@ def test_cache_is_built_once_and_reused(corpus, tmp_path):
     # Another configuration (samples, seed, documents) is another hash, hence other files.
     third = GPTDataset(indexed, ids[:-1], 50, config)
     assert third.built_anew_on_cache_miss and third.unique_description_hash != first.unique_description_hash
+
+
+def test_an_unwritable_cache_is_one_error_naming_it(corpus, tmp_path):
+    indexed, _ = corpus
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    config = GPTDatasetConfig(8, 3, path_to_cache=str(blocker / "cache"))
+    with pytest.raises(IndexCacheError, match=f"^cannot write the sample-index cache in {blocker / 'cache'}: "
+                                              "Not a directory$"):
+        GPTDataset(indexed, np.arange(40, dtype=np.int32), 50, config)
 
 
 def test_default_cache_dir_is_megatrons(corpus):

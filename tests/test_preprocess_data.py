@@ -124,6 +124,70 @@ def test_bad_input_gives_one_error_line(tmp_path):
     assert result.returncode == 2 and "no such file" in result.stderr
 
 
+def _files(directory):
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_run_leaves_the_existing_dataset_untouched(jsonl, tmp_path, workers):
+    """Megatron's builder opens the final .bin at the start: a failure deleted the dataset it would
+    have replaced. Here both files are written under temporary names and renamed only on success."""
+    out = tmp_path / "out"
+    result = run_tool("--input", jsonl, "--output-prefix", out / "good", "--tokenizer-type", "ByteLevel")
+    assert result.returncode == 0, result.stderr
+    before = _files(out)
+    assert set(before) == {"good_text_document.bin", "good_text_document.idx"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n' * 300 + '{"text": broken\n')
+    result = run_tool("--input", bad, "--output-prefix", out / "good", "--tokenizer-type", "ByteLevel",
+                      "--workers", workers)
+    assert result.returncode == 1 and result.stderr.strip() == f"error: {bad}:301: invalid JSON (Expecting value)"
+    assert _files(out) == before  # byte-identical, and no temporary file left behind
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    result = run_tool("--input", bad, "--output-prefix", out / "good", "--tokenizer-type", "ByteLevel",
+                      "--workers", workers)
+    assert result.returncode == 1 and result.stderr.strip() == \
+        f"error: {bad}:2: not UTF-8 text (invalid continuation byte at byte 14 of the line)"
+    assert _files(out) == before
+
+
+def test_an_interrupted_run_leaves_the_existing_dataset_untouched(jsonl, tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-run: one line, exit 130, the previous dataset as it was (in this process: the
+    KeyboardInterrupt a SIGINT raises, at the builder's next document)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preprocess_data
+
+    from core.data.indexed_dataset import IndexedDatasetBuilder
+
+    out = tmp_path / "out"
+    flags = ["--input", str(jsonl), "--output-prefix", str(out / "good"), "--tokenizer-type", "ByteLevel"]
+    assert preprocess_data.main(flags) == 0
+    before = _files(out)
+    added = []
+
+    def interrupted(self, tokens, lengths):
+        added.append(1)
+        if len(added) == 50:
+            raise KeyboardInterrupt
+        return original(self, tokens, lengths)
+
+    original = IndexedDatasetBuilder.add_document
+    monkeypatch.setattr(IndexedDatasetBuilder, "add_document", interrupted)
+    capsys.readouterr()
+    assert preprocess_data.main(flags) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"error: interrupted; --output-prefix {out / 'good'}: nothing written or replaced"
+    assert _files(out) == before
+
+
+def test_an_unwritable_output_is_one_line(jsonl, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_tool("--input", jsonl, "--output-prefix", blocker / "sub" / "x", "--tokenizer-type", "ByteLevel")
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith(f"error: {blocker / 'sub'} Not a directory")
+
+
 def test_tokenizer_registry():
     byte = build_tokenizer("ByteLevel")
     assert (byte.vocab_size, byte.eod) == (257, 256)

@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -69,9 +70,20 @@ class Encoder:
         Encoder.tokenizer = make_tokenizer(self.args)
         Encoder.dtype = DType.optimal_dtype(Encoder.tokenizer.vocab_size)
 
-    def encode(self, numbered_line: tuple[int, str]) -> Encoded | None:
-        """The ids and sequence lengths per key of one line (None for a blank line)."""
-        lineno, line = numbered_line
+    def worker_initializer(self) -> None:
+        """A pool worker's start: Ctrl-C is the parent's to handle (one line, the old dataset
+        intact), so the workers ignore SIGINT instead of each printing a traceback."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.initializer()
+
+    def encode(self, numbered_line: tuple[int, bytes]) -> Encoded | None:
+        """The ids and sequence lengths per key of one line of the file (None for a blank line)."""
+        lineno, raw = numbered_line
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise InputError(f"{self.args.input}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start + 1} of "
+                             "the line)") from None
         if not line.strip():
             return None
         try:
@@ -102,10 +114,10 @@ class Encoder:
                 doc_ids.append(tokenizer.eod)
                 sentence_lens[-1] += 1
             ids[key], lens[key] = np.asarray(doc_ids, dtype=Encoder.dtype), sentence_lens
-        return ids, lens, len(line)
+        return ids, lens, len(raw)
 
 
-def _encoded_lines(args: argparse.Namespace, lines: Iterable[str]) -> Iterator[Encoded | None]:
+def _encoded_lines(args: argparse.Namespace, lines: Iterable[bytes]) -> Iterator[Encoded | None]:
     """The encoded lines in input order, from this process (1 worker) or a pool."""
     encoder = Encoder(args)
     numbered = enumerate(lines, start=1)
@@ -113,7 +125,7 @@ def _encoded_lines(args: argparse.Namespace, lines: Iterable[str]) -> Iterator[E
         encoder.initializer()
         yield from map(encoder.encode, numbered)
         return
-    with multiprocessing.Pool(args.workers, initializer=encoder.initializer) as pool:
+    with multiprocessing.Pool(args.workers, initializer=encoder.worker_initializer) as pool:
         yield from pool.imap(encoder.encode, numbered, 128)
 
 
@@ -165,7 +177,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
     total_bytes = 0
     count = 0
     try:
-        with open(args.input, encoding="utf-8") as lines:
+        with open(args.input, "rb") as lines:  # decoded per line, so an error can name its line
             for encoded in _encoded_lines(args, lines):
                 if encoded is None:
                     continue
@@ -181,12 +193,12 @@ def preprocess(args: argparse.Namespace) -> dict[str, str]:
                         f"{total_bytes / elapsed / 1024 / 1024:.3f} MB/s).",
                         file=sys.stderr,
                     )
+        for key in args.json_keys:  # each pair renamed into place only now
+            builders[key].finalize(idx_paths[key])
     except BaseException:
-        for builder in builders.values():  # no half-written .bin without its .idx
+        for builder in builders.values():  # the temporary files go; an earlier dataset stays as it was
             builder.abort()
         raise
-    for key in args.json_keys:
-        builders[key].finalize(idx_paths[key])
     elapsed = max(time.time() - start, 1e-9)
     print(
         f"Done: {count} documents, {total_bytes} bytes in {elapsed:.2f} s; "
@@ -201,9 +213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = get_args(argv)
     try:
         preprocess(args)
-    except (InputError, ImportError, FileNotFoundError, ValueError) as err:
+    except (InputError, ImportError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a missing tokenizer file, a full disk, an unwritable --output-prefix
+        where = f" {err.filename}" if err.filename else ""
+        print(f"error:{where} {err.strerror or err} (--output-prefix {args.output_prefix}: nothing replaced)",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"error: interrupted; --output-prefix {args.output_prefix}: nothing written or replaced",
+              file=sys.stderr)
+        return 130
     return 0
 
 

@@ -35,13 +35,13 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
 
+from core.atomic_files import write_atomically
 from core.data.indexed_dataset import IndexedDataset
 
 T = TypeVar("T")
@@ -256,18 +256,8 @@ def get_segment_ids(tokens: np.ndarray, eod_token: int) -> np.ndarray:
     return segment_ids
 
 
-def _save_atomically(path: str, write: Callable[[Any], None], mode: str = "wb") -> None:
-    """Write ``path`` through a temporary file in its directory and rename it into place."""
-    directory = os.path.dirname(path) or "."
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(handle, mode) as stream:
-            write(stream)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+class IndexCacheError(OSError):
+    """The sample-index cache cannot be written (read-only filesystem, no permission, full disk)."""
 
 
 class GPTDataset:
@@ -388,10 +378,14 @@ class GPTDataset:
         first = num_samples_sans_final_epoch if separate_final_epoch else total
         shuffle_index = build_shuffle_index(first, total, random_state)
 
-        os.makedirs(self.cache_dir, exist_ok=True)
-        for path, array in zip(paths, (document_index, sample_index, shuffle_index)):
-            _save_atomically(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
-        _save_atomically(description_path, lambda stream: stream.write(self.unique_description), mode="w")
+        try:  # each file under a temporary name, renamed into place: a failure leaves no half file
+            os.makedirs(self.cache_dir, exist_ok=True)
+            for path, array in zip(paths, (document_index, sample_index, shuffle_index)):
+                write_atomically(path, lambda stream, a=array: np.save(stream, a, allow_pickle=False))
+            write_atomically(description_path, lambda stream: stream.write(self.unique_description), mode="w")
+        except OSError as e:
+            raise IndexCacheError(f"cannot write the sample-index cache in {self.cache_dir}: {e.strerror or e}") \
+                from None
         self.build_seconds = time.perf_counter() - start
         return document_index, sample_index, shuffle_index
 

@@ -29,11 +29,12 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 from itertools import accumulate
 from typing import Any
 
 import numpy as np
+
+from core.atomic_files import remove_quietly, replace_together, temporary_path, write_atomically
 
 _INDEX_HEADER = b"MMIDIDX\x00\x00"
 _INDEX_VERSION = 1
@@ -117,17 +118,20 @@ class IndexedDatasetBuilder:
     """
 
     def __init__(self, bin_path: str, dtype: Any = np.int32) -> None:
-        """Open ``bin_path`` for writing tokens of ``dtype`` (Megatron's default: int32)."""
+        """Start writing tokens of ``dtype`` (Megatron's default: int32) for ``bin_path``: into a
+        temporary file next to it, which :meth:`finalize` renames into place (an existing
+        dataset at that path stays untouched until then, and after :meth:`abort`)."""
         DType.code_from_dtype(dtype)
         self.dtype = np.dtype(dtype).type
         """Token dtype of the ``.bin``."""
         self.bin_path = bin_path
-        """The ``.bin`` being written."""
+        """The ``.bin`` being written (its final name)."""
         self.sequence_lengths: list[int] = []
         """Tokens per sequence added so far."""
         self.document_indices: list[int] = [0]
         """Document boundaries (sequence indices) so far; starts with 0."""
-        self._data_file = open(bin_path, "wb")  # noqa: SIM115 (closed by finalize)
+        self._tmp_bin_path = temporary_path(bin_path)
+        self._data_file = open(self._tmp_bin_path, "wb")  # noqa: SIM115 (closed by finalize or abort)
 
     def _as_tokens(self, tokens: Any) -> np.ndarray:
         """``tokens`` as a flat array of the builder's dtype; ``ValueError`` if a value does not fit."""
@@ -183,15 +187,23 @@ class IndexedDatasetBuilder:
             shutil.copyfileobj(stream, self._data_file)
 
     def abort(self) -> None:
-        """Close and delete the partly written ``.bin`` (no index is written)."""
+        """Close and delete the partly written temporary ``.bin``; a dataset already at
+        :attr:`bin_path` (and its ``.idx``) stays as it was."""
         self._data_file.close()
-        if os.path.exists(self.bin_path):
-            os.remove(self.bin_path)
+        remove_quietly(self._tmp_bin_path)
 
     def finalize(self, idx_path: str) -> None:
-        """Close the ``.bin`` and write the index to ``idx_path``."""
+        """Close the ``.bin``, write the index, and rename both into place (``.bin`` first, with
+        SIGINT/SIGTERM held back between the renames); on a failure neither replaces the old pair."""
         self._data_file.close()
-        _write_index(idx_path, self.dtype, self.sequence_lengths, self.document_indices)
+        tmp_idx = temporary_path(idx_path)
+        try:
+            _write_index(tmp_idx, self.dtype, self.sequence_lengths, self.document_indices)
+            replace_together([(self._tmp_bin_path, self.bin_path), (tmp_idx, idx_path)])
+        except BaseException:
+            remove_quietly(tmp_idx)
+            remove_quietly(self._tmp_bin_path)
+            raise
 
 
 class IndexedDataset:
@@ -356,10 +368,7 @@ def max_token_id(path_prefix: str, cache_dir: str | None = None) -> int:
     _MAX_TOKEN_ID_CACHE[key] = result
     try:  # atomically: ranks of one job may compute and write it at the same time
         os.makedirs(directory, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-max_token_id-")
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump({**record, "max_token_id": result}, stream)
-        os.replace(tmp, cache_file)
+        write_atomically(cache_file, lambda stream: json.dump({**record, "max_token_id": result}, stream), mode="w")
     except OSError:
         pass  # a read-only dataset directory: the next run computes it again
     return result

@@ -612,6 +612,8 @@ def _validate_schedule(args: argparse.Namespace) -> None:
     torch's Adam check them: ``0 <= min-lr <= lr``, decay iterations >= 1, warm-up before the end
     of the decay, betas in [0, 1)."""
     decay = lr_decay_iters(args)
+    decay_flag = "--lr-decay-iters" if args.lr_decay_iters is not None else \
+        "--train-iters, the default of --lr-decay-iters"
     checks = [
         (args.lr >= 0, f"--lr must be >= 0, got {args.lr}"),
         (min_lr(args) >= 0, f"--min-lr must be >= 0, got {args.min_lr}"),
@@ -623,8 +625,7 @@ def _validate_schedule(args: argparse.Namespace) -> None:
          f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}"),
         (lr_warmup_iters(args) < decay or lr_warmup_iters(args) == 0,
          f"--lr-warmup-iters {lr_warmup_iters(args)} does not end before the decay does at iteration {decay} "
-         f"({'--lr-decay-iters' if args.lr_decay_iters is not None else '--train-iters, the default of --lr-decay-iters'}"
-         "): the rate would rise, then drop in one step (Megatron requires warm-up < decay iterations)"),
+         f"({decay_flag}): the rate would rise, then drop in one step (Megatron requires warm-up < decay iterations)"),
         (args.weight_decay >= 0, f"--weight-decay must be >= 0, got {args.weight_decay}"),
         (0.0 <= args.adam_beta1 < 1.0, f"--adam-beta1 must be in [0, 1), got {args.adam_beta1}"),
         (0.0 <= args.adam_beta2 < 1.0, f"--adam-beta2 must be in [0, 1), got {args.adam_beta2}"),

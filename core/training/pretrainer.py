@@ -54,6 +54,7 @@ from core.data import (
     get_segment_ids,
     load_corpus,
 )
+from core.data.gpt_dataset import IndexCacheError
 from core.data.text_dataset import unigram_entropy
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -235,9 +236,14 @@ class PretrainingData:
         g = args.global_batch_size
         items = [str(x) for pair in zip(self.source.weights, self.source.prefixes) for x in pair]
         # Test split: 0 samples, not indexed (training never reads it).
-        self.train_data, self.valid_data, _ = build_gpt_datasets(
-            items, args.split, [args.train_iters * g, args.eval_iters * g, 0], config,
-            rank=jax.process_index(), barrier=_process_barrier())
+        try:
+            self.train_data, self.valid_data, _ = build_gpt_datasets(
+                items, args.split, [args.train_iters * g, args.eval_iters * g, 0], config,
+                rank=jax.process_index(), barrier=_process_barrier())
+        except IndexCacheError as e:
+            where = f"--data-cache-path {args.data_cache_path}" if args.data_cache_path else \
+                "the dataset's directory (no --data-cache-path)"
+            raise ValueError(f"{where}: {e}; pass --data-cache-path DIR on a writable filesystem") from None
         if self.train_data is None:
             raise ValueError(f"--split {args.split} gives the training split no documents")
         self.unigram_entropy = _sampled_unigram_entropy(self.source.prefixes, self.source.weights, self.vocab_size)
