@@ -49,9 +49,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from core import checkpoint_writer
+from core import checkpoint_writer, orbax_failure_noise
 
-__all__ = ["CheckpointSaver", "complete_steps", "latest_step", "latest_valid_step", "load_metadata",
+__all__ = ["CheckpointSaver", "complete_steps", "incomplete_steps", "latest_step", "latest_valid_step", "load_metadata",
            "restore_checkpoint", "save_checkpoint", "step_problem", "verify_checkpoint", "why_nothing_to_load"]
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,12 @@ def _incomplete_step_dirs(directory: str) -> list[str]:
         if name.isdigit() and os.path.isdir(_step_dir(directory, int(name)))
         and not _is_complete(_step_dir(directory, int(name)))
     ]
+
+
+def incomplete_steps(directory: str | os.PathLike) -> list[int]:
+    """Sorted steps whose directory has no commit marker (a save that did not finish: never
+    loaded, and removed by the next save into ``directory``); [] if none or no directory."""
+    return sorted(int(os.path.basename(path)) for path in _incomplete_step_dirs(os.fspath(directory)))
 
 
 def latest_step(directory: str | os.PathLike) -> int | None:
@@ -310,7 +316,8 @@ def _remove_incomplete_steps(directory: str) -> None:
     if jax.process_index() == 0:
         os.makedirs(directory, exist_ok=True)
         for path in _incomplete_step_dirs(directory):
-            logger.warning("removing incomplete checkpoint %s (no %s)", path, COMMIT_MARKER)
+            # info, not warning: the launcher names these before training (launch/pretrain.py)
+            logger.info("removing incomplete checkpoint %s (no %s)", path, COMMIT_MARKER)
             shutil.rmtree(path)
         for path in _leftover_tmp_dirs(directory):
             shutil.rmtree(path, ignore_errors=True)
@@ -355,6 +362,7 @@ def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_ke
     process 0 merges the per-process indexes, records the integrity file, writes the commit
     marker, renames the tmp dir to the step and drops old steps; then every process returns.
     A failure on any process is raised on every process, and nothing is committed."""
+    orbax_failure_noise.silence()
     tmp = os.path.join(directory, f"{step}{_TMP_INFIX}{save_id}")
     key = _call_key(save_id, "save")  # save_id was drawn in the caller's order: the same on every process
     multi = jax.process_count() > 1
@@ -456,6 +464,10 @@ class _SaveThread:
         """Run ``write(*args)`` in the thread (the previous one must be finished)."""
         self._done.clear()
         self._jobs.put((write, args))
+
+    def finished(self) -> bool:
+        """Whether the submitted write is done (without waiting)."""
+        return self._done.is_set()
 
     def result(self) -> BaseException | None:
         """Wait for the submitted write; the error it raised, if any (once: then None)."""
@@ -568,6 +580,10 @@ class CheckpointSaver:
         """The writer process's last save, timed on this process's side by phase (seconds;
         :attr:`core.checkpoint_writer.WriterProcess.phases`); empty without one."""
         return dict(self._process.phases) if self._process is not None else {}
+
+    def finished(self) -> bool:
+        """Whether no save is in flight (its commit done or failed; :meth:`wait` returns at once)."""
+        return self._thread is None or self._thread.finished()
 
     def wait(self) -> None:
         """Wait for the save in flight (if any) to be committed; raise its error, if it failed
@@ -706,8 +722,7 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: A
         state = ocp.PyTreeCheckpointHandler().restore(path / STATE_ITEM, args=ocp.args.PyTreeRestore(
             abstract, restore_args=restore_args, partial_restore=True))
         return state, load_metadata(directory, step)
-    args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract), META_ITEM: ocp.args.JsonRestore()})
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    with ocp.CheckpointManager(directory, options=options) as manager:
-        restored = manager.restore(step, args=args)
-    return restored[STATE_ITEM], dict(restored[META_ITEM])
+    # The handler itself, not a CheckpointManager: a read-only manager logs a warning on every load.
+    state = ocp.StandardCheckpointHandler().restore(epath.Path(_step_dir(directory, step)) / STATE_ITEM,
+                                                    args=ocp.args.StandardRestore(abstract))
+    return state, load_metadata(directory, step)

@@ -12,13 +12,14 @@ with exit code 3 (the last checkpoint is kept).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-EXIT_BAD_INPUT, EXIT_TRAINING_FAILED = 2, 3
+EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -32,16 +33,51 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, world
 
 
-def _fail(rank: int, code: int, message: str) -> None:
+def _parse(argv: list[str] | None, rank: int):
+    """Megatron's flags; argparse's usage and errors (and ``--help``) from rank 0 only, the other
+    ranks exiting with the same code once rank 0 has had time to print."""
+    from core.training.arguments import parse_args
+
     if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    else:
-        # mpirun tears the job down at the first non-zero exit: let rank 0 print its line first.
-        time.sleep(2.0)
-    # os._exit: skip jax.distributed's atexit shutdown barrier, which would wait for ranks that
-    # failed the same way (every rank reaches the same verdict, so none is left waiting).
-    sys.stdout.flush()
-    os._exit(code)
+        return parse_args(argv)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            return parse_args(argv)
+        except SystemExit:
+            time.sleep(2.0)  # the launcher ends the job at the first exit: rank 0 prints first
+            raise
+
+
+class _Progress:
+    """Where the run is, for the error line of a failure."""
+
+    def __init__(self):
+        self.trainer = None
+        """The :class:`~core.training.pretrainer.Pretrainer`, once built."""
+        self.training = False
+        """Whether the training loop has started (a failure there exits with code 3, before it with 2)."""
+
+    def where(self) -> str:
+        """`` in iteration N`` (the one running) once training has started, else empty."""
+        return f" in iteration {self.trainer.iteration + 1}" if self.training and self.trainer is not None else ""
+
+
+def _report(failure, progress: _Progress, args, error: BaseException):
+    """End the job for ``error`` with one line and the exit code of its kind (never returns)."""
+    from core.cluster import ClusterError
+    from core.training.arguments import ArgumentError
+    from core.training.pretrainer import TrainingError, describe_error
+
+    if isinstance(error, KeyboardInterrupt):
+        saved = f"; the checkpoints in --save {args.save} are intact" if args.save else ""
+        failure.fail(EXIT_INTERRUPTED, f"interrupted{progress.where()}{saved}", error)
+    if isinstance(error, TrainingError):
+        failure.fail(EXIT_TRAINING_FAILED if progress.training else EXIT_BAD_INPUT, str(error), error)
+    if isinstance(error, (ArgumentError, ClusterError)) or (
+            not progress.training and isinstance(error, (ValueError, FileNotFoundError))):
+        failure.fail(EXIT_BAD_INPUT, str(error), error)
+    hint = "" if failure.debug else " (--debug prints the traceback)"
+    failure.fail(EXIT_UNEXPECTED, f"{describe_error(error)}{progress.where()}{hint}", error)
 
 
 def _configure_cpu(args, processes: int, reexec: bool) -> None:
@@ -65,31 +101,56 @@ def _configure_cpu(args, processes: int, reexec: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, apply the CPU settings (CPU backend only), start ``jax.distributed``, validate the
-    flags against the devices the job really has, set up the mesh, train; returns the exit code."""
-    from core.cluster import ClusterError, initialize_distributed
-    from core.jax_backend import jax_runs_on_cpu
-    from core.training.arguments import ArgumentError, fill_defaults, parse_args, validate_args
+    flags against the devices the job really has, set up the mesh, train; returns the exit code.
+    Any failure on any rank ends the whole job with one ``error:`` line (:mod:`core.training.job_failure`)."""
+    from core.training.job_failure import JobFailure
 
-    args = parse_args(argv)
     rank, processes = _rank_and_world()
-    if jax_runs_on_cpu():
-        _configure_cpu(args, processes, reexec=argv is None)
+    args = _parse(argv, rank)
+    failure, progress = JobFailure(rank, debug=args.debug), _Progress()
     try:
-        initialize_distributed()
-    except ClusterError as e:
-        _fail(rank, EXIT_BAD_INPUT, str(e))
+        return _start(args, rank, processes, failure, progress, reexec=argv is None)
+    except Exception as error:  # noqa: BLE001 (every failure becomes one line; --debug adds the traceback)
+        _report(failure, progress, args, error)
+    except KeyboardInterrupt as error:
+        _report(failure, progress, args, error)
+
+
+def _start(args, rank: int, processes: int, failure, progress: _Progress, reexec: bool) -> int:
+    from core.cluster import initialize_distributed
+    from core.jax_backend import jax_runs_on_cpu
+    from core.training.arguments import fill_defaults, validate_args
+
+    if jax_runs_on_cpu():
+        _configure_cpu(args, processes, reexec=reexec)
+    initialize_distributed()
+    failure.start_watcher()  # from here on a failure on any one rank ends every rank
     import jax
 
-    world = jax.device_count()  # processes x devices each: one host with 8 GPUs, 8 ranks of 1, ...
+    world = _device_count(jax)  # processes x devices each: one host with 8 GPUs, 8 ranks of 1, ...
     fill_defaults(args, world)  # accelerators: the defaults follow the devices (a no-op when set above)
+    layout = validate_args(args, world)
+    return _run(args, layout, rank, progress)
+
+
+def _device_count(jax) -> int:
+    """``jax.device_count()``, or one line naming ``JAX_PLATFORMS`` when JAX cannot start the
+    backend it names (JAX raises a bare ``AssertionError`` for a platform whose plugin is absent)."""
+    from core.cluster import ClusterError
+
     try:
-        layout = validate_args(args, world)
-    except ArgumentError as e:
-        _fail(rank, EXIT_BAD_INPUT, str(e))
-    return _run(args, layout, rank)
+        return jax.device_count()
+    except (RuntimeError, AssertionError) as e:
+        platforms = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else "its plugin is not installed"
+        if platforms:
+            raise ClusterError(f"JAX_PLATFORMS={platforms}: JAX cannot start that backend here ({reason}); install "
+                               "its plugin (e.g. jax[cuda12]) on a machine with the devices, or unset "
+                               "JAX_PLATFORMS") from None
+        raise ClusterError(f"JAX cannot start a backend: {reason}") from None
 
 
-def _run(args, layout, rank: int) -> int:
+def _run(args, layout, rank: int, progress: _Progress) -> int:
     if rank != 0:
         # Logs are rank 0's job; gloo also prints connection chatter to C-level stdout on every
         # rank. stderr stays, so a crash on any rank is still reported.
@@ -111,16 +172,13 @@ def _run(args, layout, rank: int) -> int:
                                          context_parallel_size=layout.context_parallel_size,
                                          expert_model_parallel_size=layout.expert_model_parallel_size)
     release_cpu_affinity()  # the backend has sized its thread pool
-    try:
-        trainer = Pretrainer(args, layout, state)
-        resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim,
-                                                   step=args.ckpt_step, finetune=args.finetune)
-        if args.load and not resumed and args.exit_on_missing_checkpoint:
-            raise TrainingError(f"--load {args.load}: {checkpointing.why_nothing_to_load(args.load)} "
-                                "(--exit-on-missing-checkpoint)")
-        trainer.check_save_directory()
-    except (ValueError, FileNotFoundError, TrainingError) as e:
-        _fail(rank, EXIT_BAD_INPUT, str(e))
+    trainer = progress.trainer = Pretrainer(args, layout, state)
+    resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim,
+                                               step=args.ckpt_step, finetune=args.finetune)
+    if args.load and not resumed and args.exit_on_missing_checkpoint:
+        raise TrainingError(f"--load {args.load}: {checkpointing.why_nothing_to_load(args.load)} "
+                            "(--exit-on-missing-checkpoint)")
+    trainer.check_save_directory()
     logger = TrainingLogger(args.train_iters, trainer.iteration, args.metrics_file, not args.no_progress_bar)
     trainer.logger = logger
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
@@ -132,21 +190,17 @@ def _run(args, layout, rank: int) -> int:
                  f"data: {data.corpus_description}, "
                  f"{len(data.train_data)} train / {data.num_valid_samples} valid samples, unigram entropy "
                  f"{data.unigram_entropy:.4f} nats")
-    for skipped in trainer.skipped_checkpoints:
-        logger.print(f"WARNING: --load {args.load}: {skipped}")
-    if resumed and args.finetune:
-        logger.print(f"> finetuning from the parameters in {args.load}: iteration 0, a fresh optimizer state")
-    elif resumed:
-        logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
-    elif args.load:  # as Megatron: say so, then train from random (a first run's --load DIR is normal)
-        logger.print(f"WARNING: --load {args.load}: {checkpointing.why_nothing_to_load(args.load)}; "
-                     "starting from random initialization")
+    _print_checkpoint_notes(args, trainer, resumed, logger)
+    if resumed and trainer.iteration >= args.train_iters:
+        logger.print(f"> nothing to train: the checkpoint in --load {args.load} is at iteration {trainer.iteration}, "
+                     f"--train-iters is {args.train_iters}; raise --train-iters to train further")
+        logger.close()
+        return 0
+    progress.training = True
     try:
         records = trainer.train()
-    except TrainingError as e:
+    finally:
         logger.close()
-        _fail(rank, EXIT_TRAINING_FAILED, str(e))
-    logger.close()
     exits = trainer.exit_conditions
     if exits is not None and exits.reason:  # Megatron's early exits: no final evaluation, the time is short
         saved = f"checkpoint {trainer.iteration} saved to {args.save}" if args.save else "nothing saved (no --save)"
@@ -157,6 +211,32 @@ def _run(args, layout, rank: int) -> int:
         logger.print(f"> done: iteration {trainer.iteration}, loss {last['loss']:.4f}, "
                      f"validation loss {trainer.evaluate():.4f}, unigram entropy {trainer.data.unigram_entropy:.4f}")
     return 0
+
+
+def _print_checkpoint_notes(args, trainer, resumed: bool, logger) -> None:
+    """What ``--load`` and ``--save`` hold that the user should know: damaged checkpoints skipped,
+    step directories without a commit marker (an unfinished save: skipped, and removed by the
+    first save), what was resumed, or why nothing was."""
+    from core import checkpointing
+
+    for skipped in trainer.skipped_checkpoints:
+        logger.print(f"WARNING: --load {args.load}: {skipped}")
+    flags_of: dict[str, tuple[str, list[str]]] = {}  # the same directory under both flags: one warning
+    for flag, directory in (("--load", args.load), ("--save", args.save)):
+        if directory:
+            flags_of.setdefault(os.path.abspath(directory), (directory, []))[1].append(flag)
+    for directory, flags in flags_of.values():
+        removed = ", and removed at the first save" if "--save" in flags else ""
+        for step in checkpointing.incomplete_steps(directory):
+            logger.print(f"WARNING: {'/'.join(flags)} {directory}: step directory {step} has no commit marker (a save "
+                         f"that did not finish): skipped{removed}")
+    if resumed and args.finetune:
+        logger.print(f"> finetuning from the parameters in {args.load}: iteration 0, a fresh optimizer state")
+    elif resumed:
+        logger.print(f"> resumed from {args.load} at iteration {trainer.iteration}")
+    elif args.load:  # as Megatron: say so, then train from random (a first run's --load DIR is normal)
+        logger.print(f"WARNING: --load {args.load}: {checkpointing.why_nothing_to_load(args.load)}; "
+                     "starting from random initialization")
 
 
 if __name__ == "__main__":

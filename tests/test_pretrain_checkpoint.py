@@ -331,3 +331,43 @@ def test_no_save_optim_checkpoint_holds_the_params_only(tmp_path):
         b.load(directory)
     assert b.load(directory, load_optimizer=False) and b.iteration == 1
     jax.tree.map(np.testing.assert_array_equal, _host(b.params), _host(a.params))
+
+
+def test_a_save_directory_of_another_model_is_refused_before_the_first_step(tmp_path):
+    """``--save`` pointing at another model's checkpoints: its keep-last-2 rotation used to delete
+    them (exit 0, no warning). Now the run stops before its first step, naming both shapes."""
+    other = str(tmp_path / "other")
+    a = _trainer(1, 1, "--hidden-size", "32", devices=2)
+    a.step(), a.step()
+    a.save(other)
+    b = _trainer(1, 1, "--save", other, "--save-interval", "1", devices=2)
+    with pytest.raises(TrainingError, match=f"--save {other} holds checkpoint 2 of a different model: "
+                                            r"hidden_size=32 \(now 64\): this run's saves would rotate it away"):
+        b.train()
+    assert b.iteration == 0 and checkpointing.complete_steps(other) == [2]
+    assert b.foreign_checkpoint(other).startswith("checkpoint 2 of a different model")
+    same = _trainer(1, 1, "--hidden-size", "32", devices=2)
+    assert same.foreign_checkpoint(other) is None  # the same model: its own resume chain
+
+
+def test_a_resume_with_another_seed_is_refused_and_a_finetune_is_not(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    a = _trainer(1, 1, devices=2)
+    a.step()
+    a.save(directory)
+    b = _trainer(1, 1, "--seed", "7", devices=2)
+    with pytest.raises(TrainingError, match=f"--seed 7 differs from the seed of checkpoint 1 in {directory} "
+                                            r"\(1234\): .* Pass --seed 1234 to resume, or --finetune"):
+        b.load(directory)
+    assert b.load(directory, finetune=True) and b.iteration == 0
+
+
+def test_incomplete_steps_are_listed(tmp_path):
+    directory = tmp_path / "ckpt"
+    (directory / "4").mkdir(parents=True)
+    (directory / "6").mkdir()
+    (directory / "6" / checkpointing.COMMIT_MARKER).write_text("")
+    (directory / "8").mkdir()
+    assert checkpointing.incomplete_steps(directory) == [4, 8]
+    assert checkpointing.complete_steps(directory) == [6]
+    assert checkpointing.incomplete_steps(tmp_path / "missing") == []

@@ -34,9 +34,18 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 """The signals ``--exit-signal`` may name (Megatron's choices; :mod:`core.training.exit_conditions`)."""
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse with its errors as one line (exit code 2): the usage of over a hundred flags
+    would bury the one that is wrong."""
+
+    def error(self, message: str):
+        """Print ``error: message`` and exit with code 2."""
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--help`` lists every flag)."""
-    p = argparse.ArgumentParser(
+    p = _OneLineErrors(
         description="Pretrain a GPT with tensor, pipeline and data parallelism (Megatron flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("parallelism")
@@ -211,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10)
     g.add_argument("--metrics-file", default=None, help="append one JSON object per logged iteration")
     g.add_argument("--no-progress-bar", action="store_true")
+    g.add_argument("--debug", action="store_true",
+                   help="on a failure, print the Python traceback before the one error line")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="save (with --save) and exit at the next iteration divisible by this value")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,

@@ -92,6 +92,11 @@ def _first_line(error: BaseException, limit: int = 400) -> str:
     return line if len(line) <= limit else f"{line[:limit // 3]} ... {line[-(limit - limit // 3 - 5):]}"
 
 
+def describe_error(error: BaseException) -> str:
+    """An unexpected exception as one line: its type and the first line of its message."""
+    return f"{type(error).__name__}: {_first_line(error)}" if str(error).strip() else type(error).__name__
+
+
 _OS_REASONS = ("No space left on device", "Permission denied", "Read-only file system", "Disk quota exceeded")
 """Reasons a checkpoint write fails that the message must name even when the error's text is long."""
 
@@ -381,6 +386,7 @@ class Pretrainer:
         process agrees; its ``reason`` says why a run stopped early (0: it did not). The signal
         is caught and the time budget counted from here."""
         self._saver: checkpointing.CheckpointSaver | None = None
+        self._save_in_flight: int | None = None  # the iteration of an asynchronous save not yet committed
         self._checkpoint_copy: Callable | None = None
         self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
         self.params = self.ddp.init(jax.random.key(args.seed),
@@ -578,36 +584,66 @@ class Pretrainer:
         this returns once an on-device copy of the values is dispatched (the previous save, if
         still in flight, is waited for first, and its error raised); the writer process (or
         thread, ``--async-save-writer``) writes and commits; :meth:`finish_saving` waits for the
-        last one. Raises :class:`TrainingError` when the directory cannot be written (earlier
-        checkpoints stay intact)."""
+        last one. Raises :class:`TrainingError` naming the iteration whose checkpoint could not
+        be written (earlier checkpoints stay intact). A checkpoint is logged as saved only once
+        it is committed."""
         writer = self.args.async_save_writer
         if self._saver is None or self._saver.directory != os.path.abspath(directory) or (
                 writer is not None and self._saver.writer != writer):
             self.finish_saving()
             self._saver = checkpointing.CheckpointSaver(directory, writer=writer)
         self._saver.async_save = bool(self.args.async_save)
+        self._wait_for_save()  # the previous save's copy is freed before this one is made
         try:
-            self._saver.wait()  # the previous save's copy is freed before this one is made
             state, meta = self.checkpoint_state()
             self._saver.save(self.iteration, state, meta, copy=False)  # the state is a copy already
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
             self._saver = None
             raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
                                 "the earlier checkpoints are intact") from None
+        if self._saver.async_save:
+            self._save_in_flight = self.iteration
+            self._log(f" started an asynchronous save of checkpoint {self.iteration} to {directory}")
+        else:
+            self._log_saved(self.iteration, directory)
+
+    def _log(self, line: str) -> None:
+        if self.logger:
+            self.logger.print(line)
+
+    def _log_saved(self, iteration: int, directory: str) -> None:
+        self._log(f" saved checkpoint at iteration {iteration:8d} to {directory}")
+
+    def _wait_for_save(self, close: bool = False) -> None:
+        """Wait for the asynchronous save in flight (if any) and log it as saved once committed;
+        :class:`TrainingError` naming its iteration if it failed. With ``close``, also stop the
+        saver's writer process."""
+        if self._saver is None:
+            return
+        step, directory = self._save_in_flight, self._saver.directory
+        try:
+            self._saver.close() if close else self._saver.wait()
+        except (OSError, ValueError) as e:
+            self._saver, self._save_in_flight = None, None
+            what = f"checkpoint {step}" if step is not None else "a checkpoint"
+            raise TrainingError(f"cannot write {what} to {directory}: {_write_error(e)}; "
+                                "the earlier checkpoints are intact") from None
+        self._save_in_flight = None
+        if step is not None:
+            self._log_saved(step, directory)
+
+    def poll_saving(self) -> None:
+        """Log (or raise the error of) an asynchronous save that has finished, without waiting
+        for one that has not (called where the loop reads back its values)."""
+        if self._save_in_flight is not None and self._saver is not None and self._saver.finished():
+            self._wait_for_save()
 
     def finish_saving(self, close: bool = True) -> None:
         """Wait for an asynchronous save in flight to be committed (a no-op otherwise); with
         ``close``, also stop the checkpoint writer process (a later save starts a new one)."""
-        if self._saver is not None:
-            try:
-                self._saver.close() if close else self._saver.wait()
-            except (OSError, ValueError) as e:
-                directory = self._saver.directory
-                self._saver = None
-                raise TrainingError(f"cannot write checkpoint to {directory}: {_write_error(e)}; "
-                                    "the earlier checkpoints are intact") from None
-            if close:
-                self._saver = None
+        self._wait_for_save(close=close)
+        if close:
+            self._saver = None
 
     def load(self, directory: str, load_optimizer: bool = True, step: int | None = None,
              finetune: bool = False) -> bool:
@@ -631,7 +667,7 @@ class Pretrainer:
             if problem is not None:
                 raise TrainingError(f"--load {directory} --ckpt-step {step}: {problem}")
         meta = checkpointing.load_metadata(directory, step)
-        self._check_compatible(directory, meta, load_optimizer)
+        self._check_compatible(directory, meta, load_optimizer, finetune)
         if meta.get("optimizer_format") == OPTIMIZER_FORMAT:  # any layout, any vpp
             target = {"params": self.params}
             if load_optimizer:
@@ -661,12 +697,19 @@ class Pretrainer:
         return True
 
     def check_save_directory(self) -> None:
-        """Raise :class:`TrainingError` if ``--save`` already holds a checkpoint newer than this
+        """Raise :class:`TrainingError` if ``--save`` holds a checkpoint of another model (its
+        keep-last rotation would delete it; :meth:`foreign_checkpoint`) or one newer than this
         run's current iteration: a save would then not be newer, and would fail only when the run
         reaches it (a new run pointed at an old run's directory, or ``--finetune`` writing where a
         run saved)."""
         if not self.args.save:
             return
+        foreign = self.foreign_checkpoint(self.args.save)
+        if foreign is not None:
+            raise TrainingError(
+                f"--save {self.args.save} holds {foreign}: this run's saves would rotate it away "
+                f"(the newest {checkpointing.DEFAULT_MAX_TO_KEEP} are kept). Save to another directory, or move "
+                "those checkpoints out")
         latest = checkpointing.latest_step(self.args.save)
         if latest is None or latest <= self.iteration:
             return
@@ -680,11 +723,36 @@ class Pretrainer:
             f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
             f"{self.args.save} (without --finetune), or save elsewhere")
 
-    def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool) -> None:
-        saved = meta["model"]
-        diff = [f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items() if saved.get(k) != v]
+    def foreign_checkpoint(self, directory: str) -> str | None:
+        """None when every complete checkpoint in ``directory`` holds this run's model (the
+        fields of :meth:`model_record`: shapes, vocabulary, architecture), else one phrase naming
+        the newest one that does not, field by field (saved, then this run's), or whose metadata
+        cannot be read."""
+        for step in reversed(checkpointing.complete_steps(directory)):
+            try:
+                saved = checkpointing.load_metadata(directory, step)["model"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                return f"checkpoint {step}, whose metadata cannot be read ({_first_line(e)})"
+            diff = self._model_differences(saved)
+            if diff:
+                return f"checkpoint {step} of a different model: {diff}"
+        return None
+
+    def _model_differences(self, saved: dict) -> str:
+        """The fields of :meth:`model_record` where ``saved`` differs, as ``name=saved (now
+        this run's)``; empty when none do."""
+        return ", ".join(f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items()
+                         if saved.get(k) != v)
+
+    def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool, finetune: bool) -> None:
+        diff = self._model_differences(meta["model"])
         if diff:
-            raise TrainingError(f"checkpoint {directory} holds a different model: {', '.join(diff)}")
+            raise TrainingError(f"checkpoint {directory} holds a different model: {diff}")
+        if not finetune and int(meta["seed"]) != self.args.seed:
+            raise TrainingError(
+                f"--seed {self.args.seed} differs from the seed of checkpoint {meta['iteration']} in {directory} "
+                f"({meta['seed']}): a resumed run's data order and dropout follow the seed it started with. Pass "
+                f"--seed {meta['seed']} to resume, or --finetune to start a new run from these weights")
         if load_optimizer and meta.get("optimizer_saved") is False:
             raise TrainingError(f"checkpoint {meta['iteration']} in {directory} was saved without its optimizer "
                                 "state (--no-save-optim): pass --no-load-optim (or --finetune) to load its parameters")
@@ -790,6 +858,7 @@ class Pretrainer:
     def _after_collect(self, record: dict[str, Any], stop: int) -> None:
         """Evaluate, log and save at an iteration whose values were just read back."""
         args, log, i = self.args, self.logger, self.iteration
+        self.poll_saving()
         if args.eval_interval and i % args.eval_interval == 0 and self.data.num_valid_samples:
             record["valid_loss"] = self.evaluate()
         if log:
@@ -799,14 +868,9 @@ class Pretrainer:
             if "valid_loss" in record:
                 self._log_validation(record["valid_loss"])
         if args.save and args.save_interval and i % args.save_interval == 0:
-            self._save_and_log()
+            self.save(args.save)
         elif args.save and i == stop:
-            self._save_and_log()  # the final state
-
-    def _save_and_log(self) -> None:
-        self.save(self.args.save)
-        if self.logger:
-            self.logger.print(f" saved checkpoint at iteration {self.iteration:8d} to {self.args.save}")
+            self.save(args.save)  # the final state
 
     def _log_validation(self, loss: float) -> None:
         self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
