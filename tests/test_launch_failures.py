@@ -17,6 +17,7 @@ import pytest
 from spawn_env import spawn_env
 
 from core import checkpointing
+from core.jax_backend import visible_nvidia_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "launch" / "pretrain.py")
@@ -109,3 +110,18 @@ def test_a_full_disk_is_one_line_and_never_reported_as_saved(tmp_path, extra):
         assert checkpointing.complete_steps(disk / "ckpt") == []
     finally:
         subprocess.run(["umount", "-l", str(disk)])
+
+
+@pytest.mark.parametrize("flags,env,message", [
+    (["--bogus"], {}, "error: unrecognized arguments: --bogus (--help lists the flags)"),
+    ([], {"JAX_PLATFORMS": "cuda"}, "error: JAX_PLATFORMS=cuda: JAX cannot start that backend here"),
+], ids=["unknown-flag", "jax-platforms-without-the-backend"])
+def test_one_process_input_errors_are_one_line(flags, env, message):
+    """argparse's usage of 100+ flags is not printed; a JAX_PLATFORMS whose plugin is missing used to
+    end in a bare AssertionError traceback from jax.device_count()."""
+    if env.get("JAX_PLATFORMS") == "cuda" and visible_nvidia_gpus():
+        pytest.skip("this host has a GPU: JAX_PLATFORMS=cuda would train on it")
+    result = subprocess.run([sys.executable, PRETRAIN, *flags], capture_output=True, text=True, timeout=120,
+                            env={**_env(), **env}, cwd=ROOT)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and _one_error_line(result).startswith(message), result.stderr
