@@ -28,6 +28,7 @@ rank 0 (every rank reached the same verdict from the same inputs) and the proces
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -80,18 +81,31 @@ class JobFailure:
         self.debug = debug
         """Print the traceback of a failure before its error line."""
         self._watcher: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def start_watcher(self) -> None:
         """Start the thread that ends this process when another one has reported a failure
-        (a no-op without ``jax.distributed``, or when already started)."""
+        (a no-op without ``jax.distributed``, or when already started). It is stopped at the
+        interpreter's exit, before ``jax.distributed``'s own shutdown."""
         client = _distributed_client()
         if client is None or self._watcher is not None:
             return
         self._watcher = threading.Thread(target=self._watch, args=(client,), name="job-failure-watcher", daemon=True)
         self._watcher.start()
+        # Registered after jax.distributed's shutdown hook, so it runs first (atexit is last-in,
+        # first-out). A daemon thread still inside the client's blocking call when the
+        # interpreter finalizes aborts the process ("FATAL: exception not rethrown").
+        atexit.register(self.stop_watcher)
+
+    def stop_watcher(self) -> None:
+        """Stop the watcher thread (it returns within one poll, about a second)."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=2 * _POLL_MS / 1000)
+            self._watcher = None
 
     def _watch(self, client) -> None:
-        while True:
+        while not self._stop.is_set():
             code = self._published_code(client, _POLL_MS)
             if code is not None:
                 self._leave(code)
