@@ -93,7 +93,11 @@ def _configure_cpu(args, processes: int, reexec: bool) -> None:
     if reexec:  # run as a script: glibc reads its malloc settings at start-up only
         # A short run with the compilation cache keeps its programs cacheable (no heap split).
         reexec_with_malloc_settings(split_heaps=args.no_compilation_cache or args.train_iters > CACHEABLE_RUN_ITERS)
-    configure_cpu_devices(cpu_devices_per_process(lambda n: layout_fits(args, processes * n)))
+    fits = lambda n: layout_fits(args, processes * n)  # noqa: E731
+    devices = cpu_devices_per_process(fits)
+    if not fits(devices):  # refused at any count: at the most devices the error names the flag, not a world of 1
+        devices = cpu_devices_per_process()
+    configure_cpu_devices(devices)
     # Pipeline stages lend their cores to each other in the bubbles, so only the other layouts
     # get a thread pool of their share's size.
     configure_cpu_threads(share_pool=args.pipeline_model_parallel_size == 1)
