@@ -223,7 +223,7 @@ CASES = [
          interrupt_after="Processed 20000"),
     Case("preprocess-unwritable-output", preprocess("--input", "{w}/docs.jsonl", "--output-prefix",
                                                     "{w}/docs.jsonl/x", "--tokenizer-type", "ByteLevel"), 1,
-         "Not a directory", setup=dataset),
+         "is a file, not a directory", setup=dataset),
     Case("preprocess-missing-input", preprocess("--input", "{w}/nope.jsonl", "--output-prefix", "{w}/x",
                                                 "--tokenizer-type", "ByteLevel"), 2, "no such file"),
     # -- checkpoints ----------------------------------------------------------------------------------------------

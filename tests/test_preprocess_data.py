@@ -184,8 +184,12 @@ def test_an_unwritable_output_is_one_line(jsonl, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     result = run_tool("--input", jsonl, "--output-prefix", blocker / "sub" / "x", "--tokenizer-type", "ByteLevel")
-    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith(f"error: {blocker / 'sub'} Not a directory")
+    assert result.returncode == 1 and result.stderr == \
+        f"error: --output-prefix {blocker / 'sub' / 'x'}: {blocker} is a file, not a directory\n"
+    result = run_tool("--input", tmp_path / "nope.jsonl", "--output-prefix", tmp_path / "x", "--tokenizer-type",
+                      "ByteLevel")
+    assert result.returncode == 2 and result.stderr == \
+        f"error: --input {tmp_path / 'nope.jsonl'}: no such file (--help lists the flags)\n"
 
 
 def test_tokenizer_registry():

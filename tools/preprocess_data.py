@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 
 from core.data.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
 from core.data.tokenizers import TOKENIZER_TYPES, MegatronTokenizer, build_tokenizer  # noqa: E402
+from core.training.arguments import OneLineErrorParser  # noqa: E402
 
 Encoded = tuple[dict[str, np.ndarray], dict[str, list[int]], int]
 """Per key the document's ids and its sequence lengths, and the bytes of the input line."""
@@ -137,7 +138,7 @@ def output_paths(output_prefix: str, key: str, level: str = "document") -> tuple
 
 def get_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse Megatron's flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrorParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group(title="input data")
     group.add_argument("--input", type=str, required=True, help="path to the input JSONL file")
     group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
@@ -163,10 +164,21 @@ def get_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _parents(path: str) -> list[str]:
+    """``path`` and each directory above it."""
+    parents = [path]
+    while os.path.dirname(parents[-1]) != parents[-1]:
+        parents.append(os.path.dirname(parents[-1]))
+    return parents
+
+
 def preprocess(args: argparse.Namespace) -> dict[str, str]:
     """Tokenize ``args.input`` into one indexed dataset per JSON key; returns key -> dataset prefix."""
     tokenizer = make_tokenizer(args)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    blocker = next((p for p in _parents(out_dir) if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocker is not None:
+        raise InputError(f"--output-prefix {args.output_prefix}: {blocker} is a file, not a directory")
     os.makedirs(out_dir, exist_ok=True)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     builders, idx_paths = {}, {}

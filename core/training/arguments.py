@@ -34,7 +34,7 @@ EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 """The signals ``--exit-signal`` may name (Megatron's choices; :mod:`core.training.exit_conditions`)."""
 
 
-class _OneLineErrors(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
     """argparse with its errors as one line (exit code 2): the usage of over a hundred flags
     would bury the one that is wrong."""
 
@@ -45,7 +45,7 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (``--help`` lists every flag)."""
-    p = _OneLineErrors(
+    p = OneLineErrorParser(
         description="Pretrain a GPT with tensor, pipeline and data parallelism (Megatron flags).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("parallelism")
