@@ -5,9 +5,10 @@ manual shipped with CPython, with tp=2, pp=2, dp=2 on 8 processes and tp=pp=1 in
 Data preprocessed for Megatron-LM trains as it does there: ``--data-path 0.3 PREFIX_A 0.7
 PREFIX_B --split 969,30,1 --tokenizer-type ... [--reset-position-ids --reset-attention-mask
 --eod-mask-loss]`` (docs/data.md).
-Bad flags, missing or unusable data, a tokenizer that does not fit the data or an unusable
-checkpoint give one line from rank 0 and exit code 2 on every rank; a NaN loss stops the run
-with exit code 3 (the last checkpoint is kept).
+Any failure, on any rank, ends the whole job with one ``error:`` line (``--debug`` adds the
+traceback) and exit code 2 for bad input (flags, data, an unusable checkpoint), 3 when training
+fails (a NaN loss, a checkpoint that cannot be written; the last checkpoint is kept), 130 when
+interrupted, 1 for anything unexpected (docs/pretraining-and-checkpoints.md).
 """
 
 from __future__ import annotations
@@ -58,8 +59,13 @@ class _Progress:
         """Whether the training loop has started (a failure there exits with code 3, before it with 2)."""
 
     def where(self) -> str:
-        """`` in iteration N`` (the one running) once training has started, else empty."""
-        return f" in iteration {self.trainer.iteration + 1}" if self.training and self.trainer is not None else ""
+        """`` in iteration N`` (the one running) or `` while saving checkpoint N`` once training has
+        started, else empty."""
+        if not self.training or self.trainer is None:
+            return ""
+        if self.trainer.saving is not None:
+            return f" while saving checkpoint {self.trainer.saving}"
+        return f" in iteration {self.trainer.iteration + 1}"
 
 
 def _report(failure, progress: _Progress, args, error: BaseException):
@@ -114,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     failure, progress = JobFailure(rank, debug=args.debug), _Progress()
     try:
         return _start(args, rank, processes, failure, progress, reexec=argv is None)
-    except Exception as error:  # noqa: BLE001 (every failure becomes one line; --debug adds the traceback)
-        _report(failure, progress, args, error)
-    except KeyboardInterrupt as error:
+    except (Exception, KeyboardInterrupt) as error:  # every failure becomes one line; --debug adds the traceback
         _report(failure, progress, args, error)
 
 

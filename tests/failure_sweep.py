@@ -56,14 +56,16 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables."""
     interrupt_after: str | None = None
-    """Send SIGINT to the command once its output shows this text."""
+    """Send SIGINT to the command once its output shows this text (and :attr:`interrupt_delay_s` passed)."""
+    interrupt_delay_s: float = 0.0
+    """Seconds between that text and the signal."""
     limit_s: float = 120.0
     """The most seconds the command may take."""
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", XLA_FLAGS="--xla_cpu_multi_thread_eigen=false",
-               JAX_PLATFORMS="cpu", **extra)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+           "JAX_PLATFORMS": "cpu", **extra}
     env.pop("JAX_NUM_CPU_DEVICES", None)
     if os.getuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -152,12 +154,16 @@ def read_only_data(w: Path) -> None:
     subprocess.run(["mount", "-o", "remount,ro", str(w / "ro")], check=True)
 
 
-def nothing_left_half_written(w: Path) -> str | None:
-    ck = w / "disk" / "ck"
-    if not ck.exists():
-        return None
-    incomplete = [n for n in os.listdir(ck) if n.isdigit() and not (ck / n / "commit_success.txt").exists()]
-    return f"uncommitted step directories: {incomplete}" if incomplete else None
+def nothing_half_written(relative: str) -> Callable[[Path], str | None]:
+    """No step directory under ``w/relative`` lacks its commit marker (a failed or interrupted
+    save leaves only its temporary directory, which the next save removes)."""
+    def check(w: Path) -> str | None:
+        ck = w / relative
+        if not ck.exists():
+            return None
+        incomplete = [n for n in os.listdir(ck) if n.isdigit() and not (ck / n / "commit_success.txt").exists()]
+        return f"uncommitted step directories: {incomplete}" if incomplete else None
+    return check
 
 
 CASES = [
@@ -248,13 +254,14 @@ CASES = [
     Case("save-is-a-file", one("--save", "{w}/docs"), 2, "--save", setup=lambda w: (w / "docs").write_text("")),
     Case("exit-on-missing", one("--load", "{w}/none", "--exit-on-missing-checkpoint"), 2, "--exit-on-missing"),
     Case("full-disk-sync", one("--train-iters", "6", "--save", "{w}/disk/ck", "--save-interval", "2"), 3,
-         "No space left on device", setup=small_disk, check=nothing_left_half_written),
+         "No space left on device", setup=small_disk, check=nothing_half_written("disk/ck")),
     Case("full-disk-async", one("--train-iters", "8", "--save", "{w}/disk/ck", "--save-interval", "2",
                                 "--async-save"), 3, "cannot write checkpoint 2", setup=small_disk,
-         check=nothing_left_half_written),
+         check=nothing_half_written("disk/ck")),
     Case("ctrl-c-during-save", one("--hidden-size", "256", "--num-layers", "4", "--train-iters", "40", "--save",
-                                   "{w}/ck2", "--save-interval", "2", "--log-interval", "1"), 130, "interrupted",
-         interrupt_after="iteration        2/"),
+                                   "{w}/ck2", "--save-interval", "2", "--log-interval", "1"), 130,
+         "while saving checkpoint 2", interrupt_after="iteration        2/", interrupt_delay_s=0.5,
+         check=nothing_half_written("ck2")),
     # -- platforms --------------------------------------------------------------------------------------------------
     Case("jax-platforms-cuda", one(), 2, "JAX_PLATFORMS=cuda", env={"JAX_PLATFORMS": "cuda"}),
     Case("jax-platforms-bogus", one(), 2, "JAX_PLATFORMS=bogus", env={"JAX_PLATFORMS": "bogus"}),
@@ -293,6 +300,7 @@ def _run(case: Case, w: Path) -> tuple[int, str, float]:
         for line in process.stdout:
             output.append(line)
             if case.interrupt_after and case.interrupt_after in line:
+                time.sleep(case.interrupt_delay_s)
                 os.kill(process.pid, signal.SIGINT)
                 case = Case(case.name, case.command, case.code)  # once
             if time.monotonic() - start > case.limit_s:

@@ -387,6 +387,8 @@ class Pretrainer:
         is caught and the time budget counted from here."""
         self._saver: checkpointing.CheckpointSaver | None = None
         self._save_in_flight: int | None = None  # the iteration of an asynchronous save not yet committed
+        self.saving: int | None = None
+        """The iteration whose checkpoint :meth:`save` is writing (synchronous) or dispatching, else None."""
         self._checkpoint_copy: Callable | None = None
         self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
         self.params = self.ddp.init(jax.random.key(args.seed),
@@ -587,6 +589,7 @@ class Pretrainer:
         last one. Raises :class:`TrainingError` naming the iteration whose checkpoint could not
         be written (earlier checkpoints stay intact). A checkpoint is logged as saved only once
         it is committed."""
+        self.saving = self.iteration
         writer = self.args.async_save_writer
         if self._saver is None or self._saver.directory != os.path.abspath(directory) or (
                 writer is not None and self._saver.writer != writer):
@@ -598,9 +601,10 @@ class Pretrainer:
             state, meta = self.checkpoint_state()
             self._saver.save(self.iteration, state, meta, copy=False)  # the state is a copy already
         except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
-            self._saver = None
+            self._saver, self.saving = None, None
             raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
                                 "the earlier checkpoints are intact") from None
+        self.saving = None  # (still set when a KeyboardInterrupt leaves mid-save: the error line says so)
         if self._saver.async_save:
             self._save_in_flight = self.iteration
             self._log(f" started an asynchronous save of checkpoint {self.iteration} to {directory}")
