@@ -26,15 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PRETRAIN = str(ROOT / "launch" / "pretrain.py")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_launch_failures import DUMPS, INJECT, PRETRAIN, ROOT  # noqa: E402
+from test_launch_failures import SMALL as LAUNCH_SMALL  # noqa: E402
+
 PREPROCESS = str(ROOT / "tools" / "preprocess_data.py")
-INJECT = str(ROOT / "tests" / "fail_one_rank.py")
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--no-progress-bar", "--log-interval", "2",
-         "--eval-interval", "1000", "--train-iters", "4"]
-DUMPS = ("Traceback", "Check failure", "Terminating process", "Process received signal", "Fatal Python error",
-         "coordination_service")
+SMALL = [*LAUNCH_SMALL, "--train-iters", "4"]  # argparse keeps the last value
 
 
 @dataclass
