@@ -713,16 +713,17 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: A
     directory = os.path.abspath(directory)
     step = _require_step(directory, step)
     abstract = jax.tree.map(_abstract, target)
-    saved = ocp.StandardCheckpointHandler().metadata(epath.Path(_step_dir(directory, step)) / STATE_ITEM)
-    check_against_saved(abstract, saved.tree, partial)
-    if partial:
-        # StandardRestore cannot leave saved entries out; the PyTree handler reads the same files.
-        path = epath.Path(_step_dir(directory, step))
+    path = epath.Path(_step_dir(directory, step)) / STATE_ITEM
+    check_against_saved(abstract, ocp.StandardCheckpointHandler().metadata(path).tree, partial)
+    if partial:  # StandardRestore cannot leave saved entries out; the PyTree handler reads the same files
         restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-        state = ocp.PyTreeCheckpointHandler().restore(path / STATE_ITEM, args=ocp.args.PyTreeRestore(
+        state = ocp.PyTreeCheckpointHandler().restore(path, args=ocp.args.PyTreeRestore(
             abstract, restore_args=restore_args, partial_restore=True))
-        return state, load_metadata(directory, step)
-    # The handler itself, not a CheckpointManager: a read-only manager logs a warning on every load.
-    state = ocp.StandardCheckpointHandler().restore(epath.Path(_step_dir(directory, step)) / STATE_ITEM,
-                                                    args=ocp.args.StandardRestore(abstract))
+    else:  # the handler itself, not a CheckpointManager: a read-only manager logs a warning on every load
+        state = ocp.StandardCheckpointHandler().restore(path, args=ocp.args.StandardRestore(abstract))
+    jax.block_until_ready(state)
+    # Every process has read its shards before any returns (a CheckpointManager's restore ended
+    # the same way): nothing a process does next, such as a save's cleanup, can touch the files
+    # another one is still reading.
+    _barrier(_unique_key("restored"))
     return state, load_metadata(directory, step)
