@@ -38,6 +38,7 @@ import os
 import queue
 import shutil
 import threading
+import uuid
 import weakref
 import zlib
 from collections.abc import Callable, Sequence
@@ -52,7 +53,8 @@ from etils import epath
 from core import checkpoint_writer, orbax_failure_noise
 
 __all__ = ["CheckpointSaver", "complete_steps", "incomplete_steps", "latest_step", "latest_valid_step", "load_metadata",
-           "restore_checkpoint", "save_checkpoint", "step_problem", "verify_checkpoint", "why_nothing_to_load"]
+           "new_run_id", "restore_checkpoint", "save_checkpoint", "step_problem", "verify_checkpoint",
+           "why_nothing_to_load"]
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +202,13 @@ def step_problem(directory: str | os.PathLike, step: int) -> str | None:
         return verify_checkpoint(directory, step)
 
     return _from_process_0("step_problem", check)
+
+
+def new_run_id() -> str:
+    """A new identifier for a training run, the same on every process (process 0 draws it; a
+    collective). Checkpoints record it, a resume keeps it, so a ``--save`` directory can tell
+    its own run's checkpoints from another run's."""
+    return _from_process_0("run_id", lambda: uuid.uuid4().hex[:12])
 
 
 def why_nothing_to_load(directory: str | os.PathLike) -> str | None:

@@ -119,12 +119,13 @@ def dataset_intact(w: Path) -> str | None:
     return f"temporary files left: {leftovers}" if leftovers else None
 
 
-def checkpoints(*extra: str, iters: int = 4) -> Callable[[Path], None]:
+def checkpoints(*extra: str, iters: int = 4, into: str = "ck") -> Callable[[Path], None]:
     """A run saving every 2 iterations into ``w/ck`` (``extra``: its flags)."""
     def make(w: Path) -> None:
-        subprocess.run([sys.executable, PRETRAIN, *SMALL, "--train-iters", str(iters), "--save", str(w / "ck"),
+        subprocess.run([sys.executable, PRETRAIN, *SMALL, "--train-iters", str(iters), "--save", str(w / into),
                         "--save-interval", "2", *extra], check=True, capture_output=True, env=_env({}))
-        (w / "steps").write_text(json.dumps(sorted(os.listdir(w / "ck"))))
+        if into == "ck":
+            (w / "steps").write_text(json.dumps(sorted(os.listdir(w / "ck"))))
     return make
 
 
@@ -233,6 +234,9 @@ CASES = [
     Case("save-into-other-models-dir", one("--hidden-size", "64", "--train-iters", "6", "--save", "{w}/ck",
                                            "--save-interval", "2"), 2, "of a different model: hidden_size=32 (now 64)",
          setup=checkpoints(), check=steps_kept),
+    Case("save-into-another-runs-dir", one("--train-iters", "10", "--load", "{w}/a", "--save", "{w}/ck",
+                                           "--save-interval", "2"), 2, "of another run of this model",
+         setup=lambda w: (checkpoints()(w), checkpoints(iters=6, into="a")(w)), check=steps_kept),
     Case("load-other-model", one("--hidden-size", "64", "--load", "{w}/ck"), 2, "holds a different model",
          setup=checkpoints()),
     Case("resume-other-seed", one("--train-iters", "6", "--load", "{w}/ck", "--save", "{w}/ck", "--seed", "7"), 2,

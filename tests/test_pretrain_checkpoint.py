@@ -4,6 +4,7 @@ loads parameters and optimizer state (resharded) and continues within 1e-5 of th
 layout; old per-device optimizer checkpoints load only into their own layout; a damaged
 checkpoint is refused naming the file."""
 
+import json
 import os
 import shutil
 
@@ -346,8 +347,37 @@ def test_a_save_directory_of_another_model_is_refused_before_the_first_step(tmp_
         b.train()
     assert b.iteration == 0 and checkpointing.complete_steps(other) == [2]
     assert b.foreign_checkpoint(other).startswith("checkpoint 2 of a different model")
-    same = _trainer(1, 1, "--hidden-size", "32", devices=2)
-    assert same.foreign_checkpoint(other) is None  # the same model: its own resume chain
+    same = _trainer(1, 1, "--hidden-size", "32", devices=2)  # the same model, another run
+    assert same.foreign_checkpoint(other, other_runs=False) is None
+    assert same.foreign_checkpoint(other) == f"checkpoint 2 of another run of this model (run {a.run_id}, this run " \
+                                             f"{same.run_id})"
+    assert same.load(other) and same.foreign_checkpoint(other) is None  # a resume is that run: its own checkpoints
+
+
+def test_a_save_directory_of_another_run_of_the_model_is_refused(tmp_path):
+    """Run A resumed from its own checkpoint but saving into run B's directory (the same model,
+    older steps): the rotation would delete B's checkpoints. Checkpoints written before run ids
+    (no ``run_id`` in their metadata) are checked by their model only."""
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    b = _trainer(1, 1, devices=2)
+    b.step()
+    b.save(theirs)
+    a = _trainer(1, 1, devices=2)
+    a.step(), a.step()
+    a.save(mine)
+    resumed = _trainer(1, 1, "--save", theirs, devices=2)
+    assert resumed.load(mine) and resumed.run_id == a.run_id != b.run_id
+    with pytest.raises(TrainingError, match=f"--save {theirs} holds checkpoint 1 of another run of this model "
+                                            f"\\(run {b.run_id}, this run {a.run_id}\\): this run's saves would "
+                                            "rotate it away"):
+        resumed.check_save_directory()
+    meta = os.path.join(theirs, "1", checkpointing.META_ITEM, "metadata")
+    with open(meta) as f:
+        record = json.load(f)
+    del record["run_id"]
+    with open(meta, "w") as f:
+        json.dump(record, f)
+    resumed.check_save_directory()  # no run id recorded: the same model is enough
 
 
 def test_a_resume_with_another_seed_is_refused_and_a_finetune_is_not(tmp_path):

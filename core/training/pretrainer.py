@@ -377,6 +377,9 @@ class Pretrainer:
         self._peak = None
         self.iteration = 0
         self.skipped_checkpoints: list[str] = []
+        self.run_id = checkpointing.new_run_id()
+        """This run's identifier, recorded in its checkpoints; a resume takes the checkpoint's
+        (``--finetune`` starts a new run), so a run's checkpoints share one across restarts."""
         signal_name = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
         minutes = getattr(args, "exit_duration_in_mins", None)
         self.exit_conditions = ExitConditions(state.mesh, signal_name, None if minutes is None else minutes * 60) \
@@ -539,7 +542,8 @@ class Pretrainer:
         if self._checkpoint_records is None:  # built once: an async save's blocking part is on the step loop
             self._checkpoint_records = json.dumps({"layout": self.layout_record(), "model": self.model_record()})
         meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, **json.loads(self._checkpoint_records), "optimizer_format": OPTIMIZER_FORMAT,
+                "seed": self.args.seed, "run_id": self.run_id, **json.loads(self._checkpoint_records),
+                "optimizer_format": OPTIMIZER_FORMAT,
                 "optimizer_saved": self._saves_optimizer}
         if self._checkpoint_copy is None:
             self._checkpoint_copy = self._make_checkpoint_copy()
@@ -695,51 +699,59 @@ class Pretrainer:
                 self.opt_state = restored["opt_state"]
         if finetune:  # Megatron's --finetune: a new run from these weights
             return True
+        self.run_id = meta.get("run_id", self.run_id)  # checkpoints from before run ids: this run adopts them
         self.iteration = int(meta["iteration"])
         position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
         self.data.sampler.load_state_dict(position)
         return True
 
     def check_save_directory(self) -> None:
-        """Raise :class:`TrainingError` if ``--save`` holds a checkpoint of another model (its
-        keep-last rotation would delete it; :meth:`foreign_checkpoint`) or one newer than this
-        run's current iteration: a save would then not be newer, and would fail only when the run
-        reaches it (a new run pointed at an old run's directory, or ``--finetune`` writing where a
-        run saved)."""
+        """Raise :class:`TrainingError` if ``--save`` holds a checkpoint of another model, one
+        newer than this run's current iteration (a save would then not be newer, and would fail
+        only when the run reaches it: a new run pointed at an old run's directory, or
+        ``--finetune`` writing where a run saved), or one of another run of this model: this
+        run's keep-last rotation would delete another model's or run's checkpoints
+        (:meth:`foreign_checkpoint`)."""
         if not self.args.save:
             return
-        foreign = self.foreign_checkpoint(self.args.save)
+        self._refuse_foreign(self.foreign_checkpoint(self.args.save, other_runs=False))
+        latest = checkpointing.latest_step(self.args.save)
+        if latest is not None and latest > self.iteration:
+            if self.skipped_checkpoints and self.args.load and os.path.abspath(self.args.load) == os.path.abspath(
+                    self.args.save):
+                raise TrainingError(
+                    f"--save {self.args.save} holds checkpoint {latest}, newer than iteration {self.iteration} this "
+                    f"run resumed from, but damaged (skipped at --load): move it out of {self.args.save} to save "
+                    "there again")
+            raise TrainingError(
+                f"--save {self.args.save} already holds checkpoint {latest}, newer than this run's start "
+                f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
+                f"{self.args.save} (without --finetune), or save elsewhere")
+        self._refuse_foreign(self.foreign_checkpoint(self.args.save))
+
+    def _refuse_foreign(self, foreign: str | None) -> None:
         if foreign is not None:
             raise TrainingError(
                 f"--save {self.args.save} holds {foreign}: this run's saves would rotate it away "
                 f"(the newest {checkpointing.DEFAULT_MAX_TO_KEEP} are kept). Save to another directory, or move "
                 "those checkpoints out")
-        latest = checkpointing.latest_step(self.args.save)
-        if latest is None or latest <= self.iteration:
-            return
-        if self.skipped_checkpoints and self.args.load and os.path.abspath(self.args.load) == os.path.abspath(
-                self.args.save):
-            raise TrainingError(
-                f"--save {self.args.save} holds checkpoint {latest}, newer than iteration {self.iteration} this run "
-                f"resumed from, but damaged (skipped at --load): move it out of {self.args.save} to save there again")
-        raise TrainingError(
-            f"--save {self.args.save} already holds checkpoint {latest}, newer than this run's start "
-            f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
-            f"{self.args.save} (without --finetune), or save elsewhere")
 
-    def foreign_checkpoint(self, directory: str) -> str | None:
-        """None when every complete checkpoint in ``directory`` holds this run's model (the
-        fields of :meth:`model_record`: shapes, vocabulary, architecture), else one phrase naming
-        the newest one that does not, field by field (saved, then this run's), or whose metadata
-        cannot be read."""
+    def foreign_checkpoint(self, directory: str, other_runs: bool = True) -> str | None:
+        """None when every complete checkpoint in ``directory`` is this run's, else one phrase
+        naming the newest one that is not: of another model (the fields of :meth:`model_record`,
+        saved then this run's), with ``other_runs`` of another run of this model (another
+        :attr:`run_id`; checkpoints written before run ids are checked by their model only), or
+        whose metadata cannot be read."""
         for step in reversed(checkpointing.complete_steps(directory)):
             try:
-                saved = checkpointing.load_metadata(directory, step)["model"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
+                meta = checkpointing.load_metadata(directory, step)
+                diff = self._model_differences(meta["model"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 return f"checkpoint {step}, whose metadata cannot be read ({_first_line(e)})"
-            diff = self._model_differences(saved)
             if diff:
                 return f"checkpoint {step} of a different model: {diff}"
+            if other_runs and meta.get("run_id", self.run_id) != self.run_id:
+                return f"checkpoint {step} of another run of this model (run {meta['run_id']}, this run {self.run_id})"
         return None
 
     def _model_differences(self, saved: dict) -> str:
