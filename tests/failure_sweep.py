@@ -261,7 +261,7 @@ CASES = [
          check=nothing_half_written("disk/ck")),
     Case("ctrl-c-during-save", one("--hidden-size", "256", "--num-layers", "4", "--train-iters", "40", "--save",
                                    "{w}/ck2", "--save-interval", "2", "--log-interval", "1"), 130,
-         "while saving checkpoint 2", interrupt_after="iteration        2/", interrupt_delay_s=0.5,
+         "interrupted while saving checkpoint", interrupt_after="iteration        2/", interrupt_delay_s=0.3,
          check=nothing_half_written("ck2")),
     # -- platforms --------------------------------------------------------------------------------------------------
     Case("jax-platforms-cuda", one(), 2, "JAX_PLATFORMS=cuda", env={"JAX_PLATFORMS": "cuda"}),
