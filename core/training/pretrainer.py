@@ -714,7 +714,8 @@ class Pretrainer:
         (:meth:`foreign_checkpoint`)."""
         if not self.args.save:
             return
-        self._refuse_foreign(self.foreign_checkpoint(self.args.save, other_runs=False))
+        other_model, other_run = self._foreign_checkpoints(self.args.save)  # one read of each step's metadata
+        self._refuse_foreign(other_model)
         latest = checkpointing.latest_step(self.args.save)
         if latest is not None and latest > self.iteration:
             if self.skipped_checkpoints and self.args.load and os.path.abspath(self.args.load) == os.path.abspath(
@@ -727,7 +728,7 @@ class Pretrainer:
                 f"--save {self.args.save} already holds checkpoint {latest}, newer than this run's start "
                 f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
                 f"{self.args.save} (without --finetune), or save elsewhere")
-        self._refuse_foreign(self.foreign_checkpoint(self.args.save))
+        self._refuse_foreign(other_run)
 
     def _refuse_foreign(self, foreign: str | None) -> None:
         if foreign is not None:
@@ -738,21 +739,29 @@ class Pretrainer:
 
     def foreign_checkpoint(self, directory: str, other_runs: bool = True) -> str | None:
         """None when every complete checkpoint in ``directory`` is this run's, else one phrase
-        naming the newest one that is not: of another model (the fields of :meth:`model_record`,
-        saved then this run's), with ``other_runs`` of another run of this model (another
-        :attr:`run_id`; checkpoints written before run ids are checked by their model only), or
-        whose metadata cannot be read."""
+        naming one that is not: the newest of another model (the fields of :meth:`model_record`,
+        saved then this run's) or whose metadata cannot be read; else, with ``other_runs``, the
+        newest of another run of this model (another :attr:`run_id`; checkpoints written before
+        run ids are checked by their model only)."""
+        other_model, other_run = self._foreign_checkpoints(directory)
+        return other_model or (other_run if other_runs else None)
+
+    def _foreign_checkpoints(self, directory: str) -> tuple[str | None, str | None]:
+        """The phrases of :meth:`foreign_checkpoint`, (another model or unreadable, another run),
+        from one read of each step's metadata, newest first."""
+        other_run = None
         for step in reversed(checkpointing.complete_steps(directory)):
             try:
                 meta = checkpointing.load_metadata(directory, step)
                 diff = self._model_differences(meta["model"])
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                return f"checkpoint {step}, whose metadata cannot be read ({_first_line(e)})"
+                return f"checkpoint {step}, whose metadata cannot be read ({_first_line(e)})", other_run
             if diff:
-                return f"checkpoint {step} of a different model: {diff}"
-            if other_runs and meta.get("run_id", self.run_id) != self.run_id:
-                return f"checkpoint {step} of another run of this model (run {meta['run_id']}, this run {self.run_id})"
-        return None
+                return f"checkpoint {step} of a different model: {diff}", other_run
+            if other_run is None and meta.get("run_id", self.run_id) != self.run_id:
+                other_run = (f"checkpoint {step} of another run of this model (run {meta['run_id']}, this run "
+                             f"{self.run_id})")
+        return None, other_run
 
     def _model_differences(self, saved: dict) -> str:
         """The fields of :meth:`model_record` where ``saved`` differs, as ``name=saved (now
