@@ -241,7 +241,7 @@ def _sizes(trainer: Any) -> dict[str, float]:
     import numpy as np
 
     state = sum(x.nbytes for x in jax.tree.leaves(trainer.params)) + sum(
-        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.ddp.optimizer_state_global_abstract()))
+        x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(trainer.optimizer.global_state_abstract()))
     return {"params": sum(x.size for x in jax.tree.leaves(trainer.params)), "state_mib": state / MIB}
 
 
@@ -277,7 +277,7 @@ def memory(trainer: Any, loader: Any) -> dict[str, float]:
                                  if s.device == device)
     copy = trainer._checkpoint_copy or trainer._make_checkpoint_copy()
     copy = copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile().memory_analysis()
-    target = loader.ddp.optimizer_state_global_abstract()
+    target = loader.optimizer.global_state_abstract()
     load = loader.ddp._programs["opt_from_global"].lower(target).compile().memory_analysis()
     return {"opt_shard_mib": on_device(trainer.opt_state) / MIB, "copy_mib": copy.output_size_in_bytes / MIB,
             "copy_temp_mib": copy.temp_size_in_bytes / MIB, "load_temp_mib": load.temp_size_in_bytes / MIB,

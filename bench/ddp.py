@@ -82,8 +82,10 @@ def worker(args) -> None:
     from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.distributed.grad_sync import reduce_gradient_buckets
     from core.distributed.param_and_grad_buffer import build_buffer_specs
+    from core.optimizer import get_megatron_optimizer
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.param_metadata import ParamInfo
+    from core.training.train_step import make_train_step
 
     state = ps.initialize_model_parallel()
     world, rank = state.world_size, jax.process_index()
@@ -113,7 +115,7 @@ def worker(args) -> None:
 
     results = {}
     # The tutorial recipe: pmean every gradient leaf, optax on replicated params.
-    ddp0 = DistributedDataParallel(state, DistributedDataParallelConfig(), model, cfg)
+    ddp0 = DistributedDataParallel(state, DistributedDataParallelConfig(), model)
     params0 = ddp0.init(jax.random.key(0), jnp.asarray(local[:1, :-1]))
     numel = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     tx = optax.adamw(1e-3, weight_decay=0.01)
@@ -143,11 +145,12 @@ def worker(args) -> None:
             use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
     last = None
     for name, ddp_config in variants.items():
-        ddp = DistributedDataParallel(state, ddp_config, model, cfg)
+        ddp = DistributedDataParallel(state, ddp_config, model)
+        opt = get_megatron_optimizer(cfg, [ddp])
         params = ddp.init(jax.random.key(0), jnp.asarray(local[:1, :-1]))
-        opt_state = ddp.init_optimizer(params)
-        nbytes = ddp.optimizer_state_bytes_per_device(opt_state)
-        results[name] = (timed(ddp.make_train_step(loss_fn), params, opt_state, batch), nbytes)
+        opt_state = opt.init_state(params)
+        nbytes = opt.state_bytes_per_device(opt_state)
+        results[name] = (timed(make_train_step(ddp, opt, loss_fn), params, opt_state, batch), nbytes)
         if ddp_config.num_distributed_optimizer_instances == 1:
             last = ddp
     if rank == 0:

@@ -6,7 +6,7 @@ the same GPT on one device.
 
 * ``package``: ``Pretrainer``'s step (``DistributedDataParallel.make_train_step``: grad buffers,
   ``finalize_model_grads``, global-norm clipping, AdamW with decay on matrices), one microbatch;
-* ``plain``: ``jax.jit`` of ``value_and_grad(model.loss_fn)`` then optax global-norm clipping
+* ``plain``: ``jax.jit`` of ``value_and_grad`` of the model's mean loss then optax global-norm clipping
   and AdamW: ``bench/e2e_jax.py``'s tutorial recipe without its gradient ``pmean`` (its
   ``shard_map`` over the same one-device mesh only binds the model's axis names), params and
   optimizer state donated as in the package.
@@ -66,10 +66,12 @@ def main(argv: list[str] | None = None) -> dict:
     from e2e_jax import pmean_recipe_step
     from jax.sharding import PartitionSpec as P
 
+    from core.training.train_step import mean_loss
+
     trainer = _trainer(a)
     batch = trainer.data.next_train_batch()
     params = jax.tree.map(lambda x: x.copy(), trainer.params)  # the plain step's own copy (both donate)
-    plain, plain_opt = pmean_recipe_step(trainer.model.loss_fn, params, jax.tree.map(lambda _: P(), params),
+    plain, plain_opt = pmean_recipe_step(mean_loss(trainer.model.loss_fn), params, jax.tree.map(lambda _: P(), params),
                                          trainer.state.mesh, trainer.state.data_parallel_axis_name,
                                          reduce_grads=False)
     state = {"package": [trainer.params, trainer.opt_state], "plain": [params, plain_opt]}

@@ -103,6 +103,7 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     from core.param_metadata import init_sharded_params
     from core.training.arguments import model_config, parse_args, validate_args
     from core.training.pretrainer import PretrainingData
+    from core.training.train_step import mean_loss
 
     args = parse_args(_pretrain_flags(a, world))
     validate_args(args, world)
@@ -112,7 +113,7 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     mesh, axes = state.mesh, state.data_parallel_axis_name
     sample = jax.numpy.zeros((args.global_batch_size // world, args.seq_length), jax.numpy.int32)
     params, specs, _ = init_sharded_params(model.init, mesh, (jax.random.key(args.seed), sample), (P(), P()))
-    jitted, opt_state = pmean_recipe_step(model.loss_fn, params, specs, mesh, axes,
+    jitted, opt_state = pmean_recipe_step(mean_loss(model.loss_fn), params, specs, mesh, axes,
                                           reduce_grads=not a.no_grad_reduction)
     times = []
     for _ in range(a.warmup + a.steps):

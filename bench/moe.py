@@ -135,7 +135,8 @@ def _expert_load(t: Any) -> float:
     """Max over layers of the most loaded expert's share over the mean, from one more step."""
     import numpy as np
 
-    counts = np.asarray(t.dispatch_step()["_metrics"]["model"]["moe_tokens_per_expert"]).reshape(-1, t.args.num_experts)
+    report = t.dispatch_step()["_metrics"]["report"]
+    counts = np.asarray(report["moe_tokens_per_expert"]).reshape(-1, t.args.num_experts)
     return float((counts.max(axis=1) / counts.mean(axis=1)).max())
 
 

@@ -49,9 +49,11 @@ def _variants(devices: int) -> dict:
     from core.distributed.distributed_data_parallel import DistributedDataParallel
     from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.models.gpt import GPTModel
+    from core.optimizer import get_megatron_optimizer
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.param_metadata import init_sharded_params
     from core.training.arguments import model_config, parse_args
+    from core.training.train_step import make_train_step
 
     args = parse_args(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
                        "--seq-length", "256"])
@@ -68,10 +70,10 @@ def _variants(devices: int) -> dict:
     adam = OptimizerConfig(optimizer="adam", lr=3e-4, weight_decay=0.1, adam_beta2=0.95, clip_grad=1.0)
     for name, cfg in [("package", {}), ("package, NaN skip", {"check_for_nan_in_grad": True}),
                       ("package, dist-opt", {"use_distributed_optimizer": True})]:
-        ddp = DistributedDataParallel(state, DistributedDataParallelConfig(grad_reduce_in_fp32=True, **cfg), model,
-                                      adam)
+        ddp = DistributedDataParallel(state, DistributedDataParallelConfig(grad_reduce_in_fp32=True, **cfg), model)
+        opt = get_megatron_optimizer(adam, [ddp])
         params = ddp.init(jax.random.key(0), sample)
-        out[name] = (ddp.make_train_step(loss_fn), params, ddp.init_optimizer(params), batch)
+        out[name] = (make_train_step(ddp, opt, loss_fn), params, opt.init_state(params), batch)
 
     params, specs, _ = init_sharded_params(model.init, state.mesh, (jax.random.key(0), sample), (P(), P()))
     step, opt_state = pmean_recipe_step(loss_fn, params, specs, state.mesh, axes)

@@ -69,13 +69,13 @@ def programs(trainer: Any) -> dict[str, Callable]:
     """The snapshot programs compared, each ``f(params, opt_state, moe_state)``."""
     import jax
 
-    ddp = trainer.ddp
+    ddp, opt = trainer.ddp, trainer.optimizer
     split = jax.tree.map(ddp.checkpoint_sharding, trainer.params)
-    abstract = ddp.optimizer_state_global_abstract()
+    abstract = opt.global_state_abstract()
 
     def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
         state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split),
-                 "opt_state": ddp.optimizer_state_to_global(opt_state)}
+                 "opt_state": opt.state_to_global(opt_state)}
         return state if moe_state is None else {**state, "moe_state": moe_state}
 
     specs = {"params": jax.tree.map(lambda s: s.spec, split),

@@ -7,13 +7,14 @@ A two-layer MLP built from ``ColumnParallelLinear``/``RowParallelLinear`` (tp=2)
 ``DistributedDataParallel(config, ddp_config, module)`` (dp=4, distributed optimizer), trained
 with Megatron's loop: ``model.zero_grad_buffer()``, ``get_forward_backward_func()`` with a
 ``forward_step_func`` and a per-token ``loss_func``, ``finalize_model_grads([model],
-num_tokens)``, the optimizer step. The script then trains the same MLP on one device with
+num_tokens)``, ``optimizer.step()`` of the optimizer built by ``get_megatron_optimizer(config,
+[model])``. The script then trains the same MLP on one device with
 plain JAX and optax and checks that losses and parameters agree (fp32, rtol 1e-5).
 
 Differences from Megatron that the JAX form imposes: ``forward_step_func`` receives the
 microbatch (taken from the iterator by the schedule) rather than the iterator; parameters are
-explicit values (the DDP facade also keeps them as ``model.params``); ``num_tokens`` is the
-global token count.
+values the DDP facade keeps as ``model.params`` (the optimizer's step replaces them); ``num_tokens``
+is the global token count.
 """
 
 from __future__ import annotations
@@ -76,16 +77,15 @@ def train(tp: int = 2, steps: int = 4, use_distributed_optimizer: bool = True):
 
     from core import parallel_state as ps
     from core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from core.optimizer import OptimizerConfig
+    from core.optimizer import OptimizerConfig, get_megatron_optimizer
     from core.pipeline_parallel import get_forward_backward_func
 
     config = ps.build_parallel_state(tensor_model_parallel_size=tp)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
                                                grad_reduce_in_fp32=True)
-    model = DistributedDataParallel(config, ddp_config, ToyModel(),
-                                    OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0))
-    params = model.init(jax.random.key(0), jnp.zeros((2, SEQ, IN)))
-    opt_state = model.init_optimizer(params)
+    model = DistributedDataParallel(config, ddp_config, ToyModel())
+    optimizer = get_megatron_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0), [model])
+    model.init(jax.random.key(0), jnp.zeros((2, SEQ, IN)))
     forward_backward_func = get_forward_backward_func(config)
     batch_sharding = NamedSharding(config.mesh, model.batch_spec)
     micro = GLOBAL_BATCH // NUM_MICROBATCHES
@@ -107,13 +107,13 @@ def train(tp: int = 2, steps: int = 4, use_distributed_optimizer: bool = True):
             num_microbatches=NUM_MICROBATCHES, seq_length=SEQ, micro_batch_size=micro, forward_only=False)
         num_tokens = float(data["mask"].sum())
         finalize_model_grads([model], num_tokens)
-        params, opt_state, grad_norm = model.optimizer_step(params, opt_state)
+        update_successful, grad_norm, _ = optimizer.step()
         # The dicts are averaged over the dp ranks: dp x (loss sum, tokens) is the global sum.
         totals = sum(np.asarray(d["lm loss"]) for d in losses_reduced)
         losses.append(float(totals[0] / totals[1]))
         if jax.process_index() == 0:
             print(f"step {step}: loss {losses[-1]:.6f}  grad norm {float(grad_norm):.4f}", flush=True)
-    return losses, model.state_dict(params)
+    return losses, model.state_dict()
 
 
 def reference(init_params: dict[str, np.ndarray], steps: int = 4):

@@ -32,11 +32,12 @@ from core.distributed.grad_sync import (
     reduce_gradient_buckets,
 )
 from core.distributed.param_and_grad_buffer import bucket_element_masks, bucket_shard_ranges, build_buffer_specs
-from core.optimizer import distrib_optimizer
+from core.optimizer import distrib_optimizer, get_megatron_optimizer
 from core.optimizer.clip_grads import clip_coefficient
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import ParamInfo
 from core.tensor_parallel.layers import ParallelMLP
+from core.training.train_step import make_train_step
 
 GLOBAL_BATCH = 32
 STEPS = 3
@@ -102,18 +103,20 @@ def test_instance_groups_are_megatrons_contiguous_intra_and_strided_inter_groups
 # -- partial distributed optimizer ---------------------------------------------------------
 
 def _run(state, ddp_config, opt_config, steps=STEPS, num_microbatches=2):
+    """Train the MLP; returns (optimizer, params, optimizer state, losses); ``optimizer.model`` is the DDP."""
     module = MLP()
-    ddp = DistributedDataParallel(state, ddp_config, module, opt_config)
+    ddp = DistributedDataParallel(state, ddp_config, module)
+    opt = get_megatron_optimizer(opt_config, [ddp])
     params = ddp.init(jax.random.key(0), jnp.asarray(make_batch(GLOBAL_BATCH)[0][:2]))
-    opt_state = ddp.init_optimizer(params)
+    opt_state = opt.init_state(params)
     losses = []
     if not steps:
-        return ddp, params, opt_state, losses
-    step = ddp.make_train_step(mse_loss(module), num_microbatches)
+        return opt, params, opt_state, losses
+    step = make_train_step(ddp, opt, mse_loss(module), num_microbatches)
     for i in range(steps):
         params, opt_state, metrics = step(params, opt_state, ddp.shard_batch(make_batch(GLOBAL_BATCH, seed=i)))
         losses.append(float(metrics["loss"]))
-    return ddp, params, opt_state, losses
+    return opt, params, opt_state, losses
 
 
 def _assert_replicas_identical(tree):
@@ -140,18 +143,18 @@ def test_partial_distributed_optimizer_dp8_equals_full_and_single_device():
     for instances in (2, 4, 8):  # 8 = dp: every rank holds the whole state (no training run)
         cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=300,
                                             num_distributed_optimizer_instances=instances)
-        ddp, params, opt_state, losses = _run(state, cfg, opt_config, steps=0 if instances == 8 else STEPS)
-        numel[instances] = ddp.optimizer_state_bytes_per_device(opt_state)
+        opt, params, opt_state, losses = _run(state, cfg, opt_config, steps=0 if instances == 8 else STEPS)
+        numel[instances] = opt.state_bytes_per_device(opt_state)
         if instances == 8:
             continue
-        assert len(ddp.buffer_specs[0].layout.bucket_indices) > 1
+        assert len(opt.model.buffer_specs[0].layout.bucket_indices) > 1
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         np.testing.assert_allclose(losses, full[3], rtol=1e-6)
         for other in (ref_params, full[1]):
             jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
                          params, other)
         _assert_replicas_identical(params)  # the instances' copies of every shard stay identical
-    numel[1] = full[0].optimizer_state_bytes_per_device(full[2])
+    numel[1] = full[0].state_bytes_per_device(full[2])
     # State per device scales with the instance size dp/instances (padding lcm(g, 128) = 128 here).
     for instances in (2, 4, 8):
         assert abs(numel[instances] - instances * numel[1]) <= 64, numel
@@ -165,10 +168,10 @@ def test_buckets_cut_at_the_int32_cap_train_as_one_bucket(monkeypatch, use_distr
     opt_config = OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5)
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer)
     whole = _run(state, cfg, opt_config)
-    assert len(whole[0].buffer_specs[0].layout.bucket_indices) == 1
+    assert len(whole[0].model.buffer_specs[0].layout.bucket_indices) == 1
     monkeypatch.setattr(param_and_grad_buffer, "MAX_BUCKET_ELEMENTS", 1024)
-    ddp, params, _, losses = _run(state, cfg, opt_config)
-    sizes = ddp.buffer_specs[0].bucket_sizes()
+    opt, params, _, losses = _run(state, cfg, opt_config)
+    sizes = opt.model.buffer_specs[0].bucket_sizes()
     assert len(sizes) > 1 and max(sizes) <= 1024, sizes
     np.testing.assert_allclose(losses, whole[3], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7),
@@ -184,14 +187,14 @@ def test_shard_flags_are_each_ranks_slice_of_the_element_masks(monkeypatch, max_
     state = ps.build_parallel_state()
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=300,
                                         num_distributed_optimizer_instances=2)
-    ddp, _, _, losses = _run(state, cfg, OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5))
-    opt = ddp._require_init()["optimizer"]
+    opt, _, _, losses = _run(state, cfg, OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5))
+    ddp, opt = opt.model, opt.inner
     spec = opt.specs[0]
     flags = [i % 3 != 1 for i in range(len(opt.flags.decay))]  # flips inside buckets (the decay flag has some too)
     buckets = range(len(spec.layout.bucket_indices))
     fn = lambda: tuple(jnp.broadcast_to(opt._shard_flags(spec, b, flags), (s // 4,))[None]
                        for b, s in zip(buckets, spec.bucket_sizes(), strict=True))
-    got = jax.jit(ddp._shard_map(fn, (), (ddp.local_spec,) * len(buckets)))()
+    got = jax.jit(ddp.shard_map(fn, (), (ddp.local_spec,) * len(buckets)))()
     masks = bucket_element_masks(spec, [flags[i] for i in spec.leaves])
     param_elements = bucket_element_masks(spec, [True] * len(spec.leaves))
     assert sum(len(distrib_optimizer.bucket_flag_changes(spec, b, [flags[i] for i in spec.leaves])[1])
@@ -218,13 +221,14 @@ def test_partial_distributed_optimizer_tp2_dp4_equals_dense():
     module = ParallelMLP(H, F)
     cfg = OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.01)
     ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, num_distributed_optimizer_instances=2), module, cfg)
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=2), module)
+    opt = get_megatron_optimizer(cfg, [ddp])
     rng = np.random.default_rng(0)
     xs = [rng.normal(size=(B, S, H)).astype(np.float32) for _ in range(STEPS)]
     params = ddp.init(jax.random.key(0), jnp.zeros((S, 1, H)))
     ref = jax.tree.map(np.asarray, params)
-    opt_state = ddp.init_optimizer(params)
-    step = ddp.make_train_step(lambda p, x: jnp.mean(jnp.tanh(module.apply(p, jnp.swapaxes(x, 0, 1))) ** 2), 2)
+    opt_state = opt.init_state(params)
+    step = make_train_step(ddp, opt, lambda p, x: jnp.mean(jnp.tanh(module.apply(p, jnp.swapaxes(x, 0, 1))) ** 2), 2)
     tx = optax.adamw(0.01, weight_decay=0.1, mask=jax.tree.map(lambda a: a.ndim > 1, ref))
     ref_opt = tx.init(ref)
     ref_loss = lambda p, x: jnp.mean(jnp.tanh(dense_parallel_mlp(p, jnp.swapaxes(x, 0, 1))) ** 2)
@@ -240,12 +244,12 @@ def test_partial_distributed_optimizer_tp2_dp4_equals_dense():
     _assert_replicas_identical(params)
     # The layout-independent form (checkpoints): the instance's shards gathered into per-parameter
     # Adam moments equal to optax's on the whole tree; back into shards bit-exactly.
-    full = ddp.optimizer_state_to_global(opt_state)
+    full = opt.state_to_global(opt_state)
     for ours, theirs in ((full["inner"][0].mu, ref_opt[0].mu), (full["inner"][0].nu, ref_opt[0].nu)):
         for a, b in zip(ours, jax.tree.leaves(theirs), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                 ddp.optimizer_state_from_global(full), opt_state)
+                 opt.state_from_global(full), opt_state)
 
 
 def _reduce(state, ddp_config, values_per_rank, dtype=jnp.float32, size=(64, 4)):
@@ -372,18 +376,19 @@ def test_large_grad_is_flagged_after_warm_up_skipped_and_named(use_distributed_o
     # bucket_size=1: one bucket per parameter, 8 checks per step: 100 warm-up samples take 12.5 steps.
     cfg = DistributedDataParallelConfig(check_for_large_grads=True, bucket_size=1,
                                         use_distributed_optimizer=use_distributed_optimizer)
-    ddp = DistributedDataParallel(state, cfg, module, OptimizerConfig(optimizer="adam", lr=1e-3))
+    ddp = DistributedDataParallel(state, cfg, module)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3), [ddp])
     x0, _ = make_batch(GLOBAL_BATCH)
     params = ddp.init(jax.random.key(0), jnp.asarray(x0[:2]))
-    opt_state = ddp.init_optimizer(params)
-    step = ddp.make_train_step(mse_loss(module))
+    opt_state = opt.init_state(params)
+    step = make_train_step(ddp, opt, mse_loss(module))
     buckets = len(ddp.buffer_specs[0].layout.bucket_indices)
     assert buckets == 8
     for i in range(LARGE_GRAD_NUM_SAMPLES // buckets + 2):  # warm-up, then normal steps are checked
         params, opt_state, metrics = step(params, opt_state, ddp.shard_batch(make_batch(GLOBAL_BATCH, seed=i)))
         assert not bool(metrics["skipped"])
         assert not np.asarray(metrics["large_grads"]["flags"]).any()
-        ddp.check_nonfinite(metrics)
+        opt.check_nonfinite(metrics)
     tracker = jax.tree.map(np.asarray, opt_state["large_grads"])
     assert (tracker["count"] == LARGE_GRAD_NUM_SAMPLES).all() and (tracker["max"] > 0).all()
     x, y = make_batch(GLOBAL_BATCH, seed=99)
@@ -396,4 +401,4 @@ def test_large_grad_is_flagged_after_warm_up_skipped_and_named(use_distributed_o
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, (params, opt_state)), before)
     with pytest.raises(LargeGradientError, match=r"rank 5: bucket #\d+ of the float32 buffer, local grad norm .* >= 10 x "
                                                  r".*params\['params'\]\['layer_03'\]\['kernel'\].*unchanged"):
-        ddp.check_nonfinite(metrics)
+        opt.check_nonfinite(metrics)

@@ -10,7 +10,9 @@ from ddp_models import MLP, make_batch, mse_loss, reference_train
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.optimizer_config import OptimizerConfig
+from core.training.train_step import make_train_step
 
 pytestmark = pytest.mark.mpi(min_size=8)
 GLOBAL_BATCH = 32
@@ -24,11 +26,12 @@ def test_partial_distributed_optimizer_8_processes_equals_single_device():
     module = MLP()
     cfg = OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.5)
     ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, num_distributed_optimizer_instances=2, bucket_size=300), module, cfg)
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=2, bucket_size=300), module)
+    opt = get_megatron_optimizer(cfg, [ddp])
     x0 = jnp.asarray(make_batch(GLOBAL_BATCH)[0][:2])
     params = ddp.init(jax.random.key(0), x0)
-    opt_state = ddp.init_optimizer(params)
-    step = ddp.make_train_step(mse_loss(module), 2)
+    opt_state = opt.init_state(params)
+    step = make_train_step(ddp, opt, mse_loss(module), 2)
     r, n = jax.process_index(), jax.process_count()
     per = GLOBAL_BATCH // n
     losses = []

@@ -11,9 +11,11 @@ from tp_harness import dense_parallel_mlp
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.clip_grads import clip_coefficient
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.tensor_parallel.layers import ParallelMLP
+from core.training.train_step import make_train_step
 
 S, B, H, F = 8, 8, 16, 32
 
@@ -25,14 +27,15 @@ def test_tp2_dp4_training_equals_dense(sequence_parallel, use_distributed_optimi
     module = ParallelMLP(H, F, sequence_parallel=sequence_parallel)
     cfg = OptimizerConfig(optimizer="adam", lr=0.01, weight_decay=0.1, clip_grad=0.01)
     ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=use_distributed_optimizer,
-                                                                       grad_reduce_in_fp32=True), module, cfg)
+                                                                       grad_reduce_in_fp32=True), module)
+    opt = get_megatron_optimizer(cfg, [ddp])
     rng = np.random.default_rng(0)
     # Batches are [b, s, h] (split over dp on dim 0); the block wants [s, b, h] (SP splits s over tp).
     xs = [rng.normal(size=(B, S, H)).astype(np.float32) for _ in range(3)]
     sample = jnp.zeros((S // 2 if sequence_parallel else S, 1, H))
     params = ddp.init(jax.random.key(0), sample)
     ref = jax.tree.map(np.asarray, params)
-    opt_state = ddp.init_optimizer(params)
+    opt_state = opt.init_state(params)
 
     def loss_fn(p, batch):
         x = jnp.swapaxes(batch, 0, 1)
@@ -44,7 +47,7 @@ def test_tp2_dp4_training_equals_dense(sequence_parallel, use_distributed_optimi
         # Under SP each tp rank holds a sequence shard: its share of the mean is local / tp.
         return local / jax.lax.axis_size("tp") if sequence_parallel else local
 
-    step = ddp.make_train_step(loss_fn, num_microbatches=2)
+    step = make_train_step(ddp, opt, loss_fn, num_microbatches=2)
     tx = optax.adamw(0.01, weight_decay=0.1, mask=jax.tree.map(lambda a: a.ndim > 1, ref))
     ref_opt = tx.init(ref)
     ref_loss = lambda p, x: jnp.mean(jnp.tanh(dense_parallel_mlp(p, jnp.swapaxes(x, 0, 1))) ** 2)

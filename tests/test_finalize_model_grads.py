@@ -12,8 +12,10 @@ from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import ParamInfo, with_parallel_metadata
+from core.training.train_step import make_train_step
 
 
 def test_sequence_parallel_norm_grads_summed_over_tp():
@@ -66,13 +68,13 @@ def _reference_loss(params, tokens):
 def test_tied_embedding_identical_on_both_stages_and_equal_to_single_device():
     state = ps.build_parallel_state(pipeline_model_parallel_size=2)
     module = _TwoStage()
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=True), module,
-                                  OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, sgd_momentum=0.0))
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=True), module)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, sgd_momentum=0.0), [ddp])
     tokens0 = jnp.zeros((2, 5), jnp.int32)
     params = ddp.init(jax.random.key(0), tokens0)
     ref = {k: np.asarray(v) for k, v in params["params"].items()}
-    opt_state = ddp.init_optimizer(params)
-    step = ddp.make_train_step(lambda p, tok: module.apply(p, tok), num_microbatches=2)
+    opt_state = opt.init_state(params)
+    step = make_train_step(ddp, opt, lambda p, tok: module.apply(p, tok), num_microbatches=2)
     rng = np.random.default_rng(0)
     for _ in range(3):
         tokens = rng.integers(0, 11, size=(16, 5)).astype(np.int32)

@@ -30,6 +30,7 @@ from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import apply_rotary, mask_padded_logits
 from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.utils import split_microbatches
+from core.training.train_step import mean_loss
 
 S, MBS = 32, 2  # sequence (head dim 16 and seq 32: the C++ attention kernel serves unmasked batches)
 
@@ -146,10 +147,10 @@ def _parallel(cfg, tp, pp, vpp, dp):
     def body(p, batch):
         m = batch["tokens"].shape[0] // MBS
         if pp > 1:
-            grads, loss = model.forward_backward(p, batch, m)
+            grads, loss, _, _ = model.forward_backward(p, batch, m)
         else:
             def add(acc, mb):
-                loss, g = jax.value_and_grad(model.loss_fn)(p, mb)
+                loss, g = jax.value_and_grad(mean_loss(model.loss_fn))(p, mb)
                 return jax.tree.map(lambda a, x: a + x / m, acc, (loss, g)), None
 
             zero = jax.tree.map(jnp.zeros_like, (jnp.zeros(()), p))

@@ -18,8 +18,10 @@ from jax.sharding import NamedSharding
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import with_parallel_metadata
+from core.training.train_step import make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -27,13 +29,14 @@ GLOBAL_BATCH = 32
 SGD = OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
 
 
-def _mlp_ddp(ddp_config=None, opt=SGD, **kwargs):
+def _mlp_ddp(ddp_config=None, opt_config=SGD, **kwargs):
+    """The MLP wrapped in DDP and initialised: ``(ddp, optimizer, module, params, (x, y))``."""
     module = MLP()
-    ddp = DistributedDataParallel(ps.build_parallel_state(), ddp_config or DistributedDataParallelConfig(), module,
-                                  opt, **kwargs)
+    ddp = DistributedDataParallel(ps.build_parallel_state(), ddp_config or DistributedDataParallelConfig(), module, **kwargs)
+    opt = get_megatron_optimizer(opt_config, [ddp])
     x, y = make_batch(GLOBAL_BATCH)
     params = ddp.init(jax.random.key(0), jnp.asarray(x[:2]))
-    return ddp, module, params, (x, y)
+    return ddp, opt, module, params, (x, y)
 
 
 def test_package_exports_megatron_names():
@@ -69,7 +72,7 @@ def test_package_imports_work_in_any_order(first):
 
 def test_scale_gradients_after_finish_grad_sync_scales_the_update():
     """Megatron's num_tokens path scales after finish_grad_sync: 0 leaves params, 0.5 halves SGD's step."""
-    ddp, module, params, (x, y) = _mlp_ddp()
+    ddp, opt, module, params, (x, y) = _mlp_ddp()
     batch = ddp.shard_batch((x, y))
     moved = {}
     for factor in (1.0, 0.5, 0.0):
@@ -77,7 +80,10 @@ def test_scale_gradients_after_finish_grad_sync_scales_the_update():
         ddp.backward(mse_loss(module), params, batch)  # outside no_sync: starts the sync
         ddp.finish_grad_sync()
         ddp.scale_gradients(factor)
-        new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+        ddp.params = params
+        opt.init_state(params)
+        opt.step()
+        new = ddp.params
         moved[factor] = jax.tree.map(lambda a, b: np.asarray(a) - np.asarray(b), new, params)
     for leaf_full, leaf_half, leaf_zero in zip(*(jax.tree.leaves(moved[f]) for f in (1.0, 0.5, 0.0)), strict=True):
         assert np.abs(leaf_full).max() > 0
@@ -112,7 +118,7 @@ def test_broadcast_params_keeps_each_ep_ranks_experts(cp):
     group, experts from rank 0 of the expert-data-parallel x cp group of the same ep rank (before,
     ep rank 0's experts overwrote ep rank 1's; and at cp 2 the cp ranks' experts went unsynced)."""
     state = ps.build_parallel_state(context_parallel_size=cp, expert_model_parallel_size=2)
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _DenseAndExperts(), SGD)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _DenseAndExperts())
     params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
     experts = params["params"]["experts"]  # the ep ranks' experts made distinct
     params["params"]["experts"] = jax.device_put(np.arange(experts.size, dtype=np.float32).reshape(experts.shape),
@@ -135,9 +141,10 @@ def test_partial_distributed_optimizer_instances_divide_the_expert_group_with_cp
     # cp2 ep2: experts have dp / ep x cp = 4 copies, so 4 instances fit (expert dp alone is 2: refused before).
     state = ps.build_parallel_state(context_parallel_size=2, expert_model_parallel_size=2)
     ddp = DistributedDataParallel(state, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, num_distributed_optimizer_instances=4), _DenseAndExperts(), SGD)
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=4), _DenseAndExperts())
+    opt = get_megatron_optimizer(SGD, [ddp])
     params = ddp.init(jax.random.key(0), jnp.ones((2, 4)))
-    assert state.replica_size(expert=True) == 4 and ddp.init_optimizer(params) is not None
+    assert state.replica_size(expert=True) == 4 and opt.init_state(params) is not None
 
 
 def test_disable_bucketing_puts_a_buffer_in_one_bucket():
@@ -149,7 +156,7 @@ def test_disable_bucketing_puts_a_buffer_in_one_bucket():
 
 
 def test_forward_state_dict_and_load_state_dict():
-    ddp, module, params, (x, _) = _mlp_ddp()
+    ddp, opt, module, params, (x, _) = _mlp_ddp()
     np.testing.assert_array_equal(np.asarray(ddp(params, x)), np.asarray(module.apply(params, x)))
     np.testing.assert_array_equal(np.asarray(ddp.forward(params, x)), np.asarray(ddp(params, x)))
     sd = ddp.state_dict(params)
@@ -194,7 +201,7 @@ def test_forward_only_and_mean_loss_through_the_schedule():
     from core.distributed import finalize_model_grads
     from core.pipeline_parallel import get_forward_backward_func
 
-    ddp, module, params, (x, y) = _mlp_ddp()
+    ddp, opt, module, params, (x, y) = _mlp_ddp()
     sharding = NamedSharding(ddp.mesh, ddp.batch_spec)
     halves = [(x[i::2], y[i::2]) for i in range(2)]
 
@@ -218,18 +225,19 @@ def test_forward_only_and_mean_loss_through_the_schedule():
         chunks, num_tokens)  # Megatron's config.finalize_model_grads_func, called by the schedule
     fb(forward_step_func=forward_step_func, data_iterator=data(), model=[ddp], num_microbatches=2)
     assert calls == [None]  # a mean loss: no token count
-    new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+    opt.init_state(params)
+    assert opt.step()[0]
+    new = ddp.params
     grads = jax.grad(lambda p: sum(mse_loss(module)(p, h) for h in halves) / 2)(params)
     want_params = jax.tree.map(lambda p, g: p - SGD.lr * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
                  new, want_params)
-    assert ddp.params is new
 
 
 def test_make_train_step_hands_the_loss_a_key_per_rank_and_microbatch():
     """with_rng: loss_fn(params, microbatch, rng) gets fold_in(fold_in(rng, dp rank), microbatch);
     a dropout model trained that way equals the same keys applied on one device."""
-    ddp, module, params, (x, y) = _mlp_ddp()
+    ddp, opt, module, params, (x, y) = _mlp_ddp()
     m, dp = 2, 8
     per = GLOBAL_BATCH // dp
 
@@ -238,9 +246,9 @@ def test_make_train_step_hands_the_loss_a_key_per_rank_and_microbatch():
         keep = jax.random.bernoulli(rng, 0.7, by.shape)
         return jnp.mean((module.apply(p, bx) * keep / 0.7 - by) ** 2)
 
-    step = ddp.make_train_step(loss_fn, m, with_rng=True)
+    step = make_train_step(ddp, opt, loss_fn, m, with_rng=True)
     rng = jax.random.key(42)
-    new, _, metrics = step(jax.tree.map(jnp.copy, params), ddp.init_optimizer(params), ddp.shard_batch((x, y)), rng)
+    new, _, metrics = step(jax.tree.map(jnp.copy, params), opt.init_state(params), ddp.shard_batch((x, y)), rng)
 
     def reference_loss(p):
         total = 0.0
@@ -256,7 +264,7 @@ def test_make_train_step_hands_the_loss_a_key_per_rank_and_microbatch():
     want = jax.tree.map(lambda p, g: p - SGD.lr * g, params, grads)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7), new, want)
     with pytest.raises(TypeError, match=r"\(params, opt_state, batch, rng\)"):
-        step(params, ddp.init_optimizer(params), ddp.shard_batch((x, y)))
+        step(params, opt.init_state(params), ddp.shard_batch((x, y)))
 
 
 
@@ -276,7 +284,8 @@ def test_megatron_loop_with_1f1b_on_a_ddp_model():
     from core.pipeline_parallel import forward_backward_pipelining_without_interleaving, get_forward_backward_func
 
     state = ps.build_parallel_state(pipeline_model_parallel_size=2)
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=True), _Stage(), SGD)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(use_distributed_optimizer=True), _Stage())
+    opt = get_megatron_optimizer(SGD, [ddp])
     params = ddp.init(jax.random.key(0), jnp.ones((2, 8)))
     fb = get_forward_backward_func(state)
     assert fb is forward_backward_pipelining_without_interleaving
@@ -290,7 +299,8 @@ def test_megatron_loop_with_1f1b_on_a_ddp_model():
     losses = fb(forward_step_func=forward_step_func, data_iterator=iter([ddp.shard_batch((x[i], t[i])) for i in range(4)]),
                 model=[ddp], num_microbatches=4)
     finalize_model_grads([ddp])
-    new, _, _ = ddp.optimizer_step(params, ddp.init_optimizer(params))
+    opt.step()
+    new = ddp.params
 
     w = np.asarray(params["params"]["w"])  # [2, 8, 8]: stage 0, stage 1
     net = lambda w, xi: jnp.tanh(jnp.tanh(xi @ w[0]) @ w[1])

@@ -27,8 +27,10 @@ from jax.sharding import PartitionSpec as P
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import init_sharded_params, param_info_tree, unbox
+from core.training.train_step import make_train_step
 from core.transformer.moe import GroupedMLP, MoEBlock, MoEConfig, MoELayer, SequentialMLP, get_updated_expert_bias
 from core.transformer.moe import experts as experts_module
 from core.transformer.moe.moe_utils import capacity_slots, permute_rows
@@ -625,7 +627,8 @@ def test_expert_grads_reduced_over_the_expert_data_parallel_group():
     (_, _, grads, _), specs, _ = _run_scaled(name, ep=ep, scale=scale)
     cfg = _config(name)
     module = _module(cfg)
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), module, SGD)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), module)
+    opt = get_megatron_optimizer(SGD, [ddp])
     x, w = _inputs()
     params = ddp.init(_key(), x[:, :1])
     params = jax.tree.map(lambda v, s: jax.device_put(v, NamedSharding(state.mesh, s)), _initial(name),
@@ -638,9 +641,9 @@ def test_expert_grads_reduced_over_the_expert_data_parallel_group():
         rank_scale = 2.0 ** jax.lax.axis_index(all_axes).astype(jnp.float32)
         return rank_scale * (jnp.sum(y * jnp.swapaxes(mb["w"], 0, 1)) + aux["aux_loss"] + aux["z_loss"])
 
-    step = ddp.make_train_step(loss_fn)
+    step = make_train_step(ddp, opt, loss_fn)
     batch = {"x": jnp.swapaxes(x, 0, 1), "w": jnp.swapaxes(w, 0, 1)}
-    after, _, _ = step(params, ddp.init_optimizer(params), batch)
+    after, _, _ = step(params, opt.init_state(params), batch)
     ranks = state.device_ranks.reshape(-1)
     flat = jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda s: isinstance(s, P))
     for (path, _), local, old, new in zip(flat, jax.tree.leaves(grads), jax.tree.leaves(before),
@@ -674,10 +677,10 @@ def test_broadcast_params_keeps_each_ep_ranks_experts():
     are overwritten by another's."""
     state = _state(ep=2, devices=4)
     cfg = _config("softmax_swiglu_shared")
-    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _module(cfg), SGD)
+    ddp = DistributedDataParallel(state, DistributedDataParallelConfig(), _module(cfg))
     params = ddp.init(_key(), _inputs()[0][:, :1])
     ranks = {d: int(r) for d, r in zip(state.mesh.devices.flat, state.device_ranks.flat, strict=True)}
-    infos = ddp._require_init()["infos"]
+    infos = ddp.layout.infos
     leaves, treedef = jax.tree.flatten(params)
     skewed = [_per_device(leaf, lambda v, d, info=info: v + 100 * state.group_rank(
         ranks[d], ("dp",) if info.expert else state.data_parallel_axis_name))

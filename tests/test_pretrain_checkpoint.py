@@ -95,7 +95,7 @@ def test_a_saves_copy_takes_one_dp_th_of_params_and_optimizer_state_per_device()
     for part in ("params", "opt_state"):
         assert on_device(state[part]) < 0.15 * whole(state[part]), part
     assert on_device(state["opt_state"]) < 1.1 * on_device(t.opt_state)
-    back = t.ddp.optimizer_state_from_global(state["opt_state"])
+    back = t.optimizer.state_from_global(state["opt_state"])
     jax.tree.map(np.testing.assert_array_equal, _host(back), _host(t.opt_state))
 
 
@@ -113,8 +113,8 @@ def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypa
     assert sum(x.nbytes for x in jax.tree.leaves(state["opt_state"])) > 6 * largest
     save = t._checkpoint_copy.lower(t.params, t.opt_state, t.moe_state).compile().memory_analysis()
     assert save.temp_size_in_bytes < 1.5 * largest
-    t.ddp.optimizer_state_from_global(state["opt_state"])
-    load = t.ddp._programs["opt_from_global"].lower(state["opt_state"]).compile().memory_analysis()
+    t.optimizer.state_from_global(state["opt_state"])
+    load = t.optimizer._programs["from_global"].lower(state["opt_state"]).compile().memory_analysis()
     assert load.temp_size_in_bytes < 2.5 * largest
 
 
@@ -139,25 +139,25 @@ def test_converting_in_chunks_gives_the_same_state_and_bounds_the_temporaries(mo
     than one data-parallel rank: at dp 1 the pieces are the leaves) shrink too."""
     t = _trainer(tp, pp, "--use-distributed-optimizer", *extra, devices=devices)
     t.step()
-    whole = t.ddp.optimizer_state_to_global(t.opt_state)
-    temps = lambda: (t.ddp._programs["opt_to_global"].lower(t.opt_state).compile().memory_analysis().temp_size_in_bytes,
-                     t.ddp._programs["opt_from_global"].lower(whole).compile().memory_analysis().temp_size_in_bytes)
-    t.ddp.optimizer_state_from_global(whole)
+    whole = t.optimizer.state_to_global(t.opt_state)
+    temps = lambda: (t.optimizer._programs["to_global"].lower(t.opt_state).compile().memory_analysis().temp_size_in_bytes,
+                     t.optimizer._programs["from_global"].lower(whole).compile().memory_analysis().temp_size_in_bytes)
+    t.optimizer.state_from_global(whole)
     save_whole, load_whole = temps()
     limit = 2048
     monkeypatch.setattr(distrib_optimizer, "CONVERT_CHUNK_ELEMENTS", limit)
     monkeypatch.setattr(distrib_optimizer, "CONVERT_GROUP_MIN_ELEMENTS", 0)
-    t.ddp._programs.clear()  # rebuilt with the chunks
-    _, _, splits = t.ddp._storage_splits()
-    opt = t.ddp._require_init()["optimizer"]
+    t.optimizer._programs.clear()  # rebuilt with the chunks
+    _, _, splits = t.optimizer._storage_splits()
+    opt = t.optimizer.inner
     chunks = [distrib_optimizer._chunks(shape, splits[i], limit) for s in opt.specs
               for i, shape in zip(s.leaves, s.shapes, strict=True)]
     assert any(len(c) > 1 and c[1][2:] == (0, view[2]) for view, c in chunks)  # whole rows
     # Parts of rows where a row is larger than a chunk: with a split (dp > 1) its dimension's blocks.
     assert any(c[0][3] < view[2] for view, c in chunks) == (t.layout.data_parallel_size > 1)
-    chunked = t.ddp.optimizer_state_to_global(t.opt_state)
+    chunked = t.optimizer.state_to_global(t.opt_state)
     jax.tree.map(np.testing.assert_array_equal, _host(chunked), _host(whole))
-    jax.tree.map(np.testing.assert_array_equal, _host(t.ddp.optimizer_state_from_global(chunked)), _host(t.opt_state))
+    jax.tree.map(np.testing.assert_array_equal, _host(t.optimizer.state_from_global(chunked)), _host(t.opt_state))
     save, load = temps()
     assert load <= 3 * 4 * limit < load_whole, (load, load_whole)
     assert save < save_whole if t.layout.data_parallel_size > 1 else save == save_whole, (save, save_whole)
@@ -175,13 +175,13 @@ def test_a_vpp_save_puts_the_layers_in_checkpoint_order_in_its_one_program(tmp_p
     for p, x, param in zip(paths, jax.tree.leaves(state["params"]), jax.tree.leaves(a.params)):
         assert x.shape[:2] == ((1, 4) if "layers" in p else param.shape[:2])
         assert x.sharding.spec == a.ddp.checkpoint_sharding(param).spec  # the param's, split over dp too
-    reference = {"params": a.params, "opt_state": a.ddp.optimizer_state_to_global(a.opt_state)}
+    reference = {"params": a.params, "opt_state": a.optimizer.state_to_global(a.opt_state)}
     reference = _host(map_layer_leaves(to_layer_order, reference, paths))
     jax.tree.map(np.testing.assert_array_equal, _host(state), reference)
     a.save(str(tmp_path))
     b = _trainer(2, 2, "--use-distributed-optimizer")
     assert b.load(str(tmp_path))
-    loaded = {"params": b.params, "opt_state": b.ddp.optimizer_state_to_global(b.opt_state)}
+    loaded = {"params": b.params, "opt_state": b.optimizer.state_to_global(b.opt_state)}
     jax.tree.map(np.testing.assert_array_equal, _host(loaded), reference)
 
 
@@ -208,7 +208,7 @@ def test_other_layout_resumes_with_the_optimizer_state(saved, tp, pp, devices, e
     np.testing.assert_allclose([b.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
     if b.layout.virtual_pipeline_model_parallel_size:
         # Saving from vpp 2 writes the inverse of what this load read (checkpoint layer order).
-        paths, state = b.ddp.param_paths, {"params": b.params, "opt_state": b.ddp.optimizer_state_to_global(b.opt_state)}
+        paths, state = b.ddp.param_paths, {"params": b.params, "opt_state": b.optimizer.state_to_global(b.opt_state)}
         flat = map_layer_leaves(to_layer_order, state, paths)
         assert {x.shape[:2] for p, x in zip(paths, jax.tree.leaves(flat["params"])) if "layers" in p} == {(1, 4)}
         back = map_layer_leaves(lambda x: from_layer_order(x, 2), flat, paths)

@@ -29,7 +29,7 @@ def _run(trainer, iters: int, save_to: str | None = None, save_at: int = 0) -> l
     out = []
     for _ in range(iters):
         pending = trainer.dispatch_step()
-        tpe = np.asarray(pending["_metrics"]["model"]["moe_tokens_per_expert"])
+        tpe = np.asarray(pending["_metrics"]["report"]["moe_tokens_per_expert"])
         record = trainer.collect([pending], 1.0)[0]
         out.append({**record, "tpe": tpe, "bias": _bias(trainer)})
         if save_to and trainer.iteration == save_at:

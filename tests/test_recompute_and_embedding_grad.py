@@ -23,6 +23,7 @@ from core import parallel_state as ps
 from core.models.gpt import GPTModel
 from core.models.gpt.gpt_config import GPTConfig
 from core.param_metadata import init_sharded_params
+from core.training.train_step import mean_loss
 from core.transformer.recompute import with_recompute
 
 CFG = GPTConfig(vocab_size=256, padded_vocab_size=256, num_layers=2, hidden_size=64, num_attention_heads=4,
@@ -46,7 +47,7 @@ def _loss_and_grads(granularity: str | None, bf16: bool = False):
     tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_length + 1), 0, CFG.vocab_size)
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:]}
     params, specs, _ = init_sharded_params(model.init, state.mesh, (jax.random.key(0), batch["tokens"]), (P(), P()))
-    fn = jax.shard_map(jax.value_and_grad(model.loss_fn), mesh=state.mesh, in_specs=(specs, P()),
+    fn = jax.shard_map(jax.value_and_grad(mean_loss(model.loss_fn)), mesh=state.mesh, in_specs=(specs, P()),
                        out_specs=(P(), specs), check_vma=False)
     with jax.default_matmul_precision("highest"):
         loss, grads = jax.jit(fn)(params, batch)

@@ -12,6 +12,7 @@ from core.distributed.data_parallel import (
     shard_params,
     sync_gradients,
 )
+from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import (
     allreduce_model_parallel_grads,
@@ -25,17 +26,6 @@ from core.distributed.single_gpu import (
     accumulate_gradients_loop,
     accumulate_gradients_scan,
 )
-
-
-def __getattr__(name: str):
-    """``DistributedDataParallel`` on first use: it needs ``core.optimizer``, whose distributed
-    optimizer needs this package's collectives, so importing it here would be circular."""
-    if name == "DistributedDataParallel":
-        from core.distributed.distributed_data_parallel import DistributedDataParallel
-
-        return DistributedDataParallel
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = [
     "Batch", "DistributedDataParallel", "DistributedDataParallelConfig", "TrainState", "accumulate_gradients",

@@ -91,3 +91,15 @@ def unstack_params(params: Any, axis_name: str) -> Any:
 
 
 __all__ = ["AxisName", "fold_rng_over_axis", "split_array_over_mesh", "stack_params", "unstack_params"]
+
+
+def unstack_device_local(tree: Any) -> Any:
+    """Inside ``shard_map``: this device's values of a tree of device-local values (global
+    arrays with a leading axis of one entry per device, spec ``P(all mesh axes)``)."""
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def stack_device_local(tree: Any) -> Any:
+    """Inside ``shard_map``: this device's values with the leading per-device axis that
+    device-local values carry outside (the inverse of :func:`unstack_device_local`)."""
+    return jax.tree.map(lambda x: x[None], tree)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -59,6 +60,7 @@ from core.data.text_dataset import unigram_entropy
 from core.distributed.distributed_data_parallel import DistributedDataParallel
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.models.gpt import GPTModel
+from core.optimizer import get_megatron_optimizer
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import (
@@ -75,6 +77,7 @@ from core.training.exit_conditions import ExitConditions
 from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
 from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
+from core.training.train_step import make_train_step
 
 # The checkpoint's optimizer state is the layout-independent form (parameter-shaped Adam moments
 # and masters of global shape); checkpoints without this marker hold the per-device state.
@@ -370,9 +373,9 @@ class Pretrainer:
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
             grad_reduce_in_fp32=True, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
             check_for_spiky_loss=args.check_for_spiky_loss, spiky_loss_factor=args.spiky_loss_factor)
-        optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+        self.optimizer_config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                     adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
-        self.ddp = DistributedDataParallel(state, ddp_config, self.model, optimizer, self.schedule)
+        self.ddp = DistributedDataParallel(state, ddp_config, self.model)
         self.logger = logger
         self._peak = None
         self.iteration = 0
@@ -396,24 +399,22 @@ class Pretrainer:
         self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
-        self.opt_state = self.ddp.init_optimizer(self.params)
+        self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.ddp], self.schedule)
+        self.opt_state = self.optimizer.init_state(self.params)
         self.moe_state = self._init_moe_state()
         """The model's non-trainable MoE state (``{"expert_bias": [vpp, pp * n_moe, E]}``), None
         without ``--moe-router-enable-expert-bias``: updated after every optimizer step, checkpointed."""
         m = layout.num_microbatches
-        moe_metrics = self.config.moe is not None  # logged at every layout (docs/moe.md)
-        fb = self.model.ddp_forward_backward(m, with_metrics=moe_metrics) \
-            if layout.pipeline_model_parallel_size > 1 else None
         sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
-        loss_fn = (self.model.loss_fn_with_metrics if moe_metrics else self.model.loss_fn) if fb is None else None
+        loss_fn, fb = self.model.loss_fn, None
+        if layout.pipeline_model_parallel_size > 1:
+            loss_fn, fb = None, functools.partial(self.model.forward_backward, num_microbatches=m)
         state_args = {}
         if self.moe_state is not None:
-            if loss_fn is not None:
-                loss_fn = lambda p, mb, model_state: self.model.loss_fn_with_metrics(p, mb, model_state)
             state_args = {"model_state_specs": self.model.moe_state_spec(),
-                          "update_model_state": lambda s, metrics: self.model.update_moe_state(s, metrics, m)}
-        self.train_step = self.ddp.make_train_step(loss_fn, m, forward_backward=fb, sequence_axis=sequence_axis,
-                                                   loss_metrics=moe_metrics, **state_args)
+                          "update_model_state": lambda s, report: self.model.update_moe_state(s, report, m)}
+        self.train_step = make_train_step(self.ddp, self.optimizer, loss_fn, m, forward_backward=fb,
+                                          sequence_axis=sequence_axis, **state_args)
         self.eval_step = self._make_eval_step()
 
     def _init_moe_state(self) -> dict[str, jax.Array] | None:
@@ -428,7 +429,7 @@ class Pretrainer:
     def _make_eval_step(self):
         m, dp_axes = self.layout.num_microbatches, self.state.data_parallel_axis_name
         sequence_axis = CP_AXIS if self.state.context_parallel_size > 1 else None
-        # Every cp rank's loss is already the whole sequence's (language_model_loss sums over "cp").
+        # Every cp rank's loss is already the whole sequence's (eval_loss sums over "cp").
         fn = lambda p, b, s: lax.pmean(self.model.eval_loss(p, b, m, s), dp_axes)
         state_spec = None if self.moe_state is None else self.model.moe_state_spec()
         programs: dict[Any, Callable] = {}
@@ -470,7 +471,7 @@ class Pretrainer:
         step) and add timing over the ``elapsed`` seconds they took together. Raises
         :class:`TrainingError` at the first non-finite value."""
         values = jax.device_get([(r["loss"], r["grad_norm"], r["_metrics"].get("spiky_loss", False),
-                                  r["_metrics"].get("recent_max_loss", 0.0), r["_metrics"].get("model"))
+                                  r["_metrics"].get("recent_max_loss", 0.0), r["_metrics"]["report"])
                                  for r in pending])
         per_step = elapsed / max(1, len(pending))
         tokens = self.args.global_batch_size * self.args.seq_length
@@ -482,7 +483,7 @@ class Pretrainer:
                 where = ""
                 if self.args.check_for_nan_in_loss_and_grad:
                     try:
-                        self.ddp.check_nonfinite(metrics)
+                        self.optimizer.check_nonfinite(metrics)
                     except FloatingPointError as e:
                         where = f" {e}"
                 raise TrainingError(f"iteration {record['iteration']}: loss is {loss}, grad norm is {grad_norm} "
@@ -533,7 +534,7 @@ class Pretrainer:
     def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(state, metadata)`` as a checkpoint stores them: params, the optimizer state in the
         layout-independent form
-        (:meth:`~core.distributed.DistributedDataParallel.optimizer_state_to_global`; not with
+        (:meth:`~core.optimizer.MegatronOptimizer.state_to_global`; not with
         ``--no-save-optim``) and the
         MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
         data position, seed, layout and model shape. The arrays are new ones, computed by one
@@ -562,7 +563,7 @@ class Pretrainer:
         def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
             state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split), "moe_state": moe_state}
             if self._saves_optimizer:
-                state["opt_state"] = self.ddp.optimizer_state_to_global(opt_state)
+                state["opt_state"] = self.optimizer.state_to_global(opt_state)
             return state
 
         def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
@@ -577,7 +578,7 @@ class Pretrainer:
         # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
         shardings = {"params": split, "moe_state": jax.tree.map(lambda x: x.sharding, self.moe_state)}
         if self._saves_optimizer:
-            shardings["opt_state"] = jax.tree.map(lambda x: x.sharding, self.ddp.optimizer_state_global_abstract())
+            shardings["opt_state"] = jax.tree.map(lambda x: x.sharding, self.optimizer.global_state_abstract())
         return jax.jit(copy, out_shardings=shardings)
 
     @property
@@ -679,7 +680,7 @@ class Pretrainer:
         if meta.get("optimizer_format") == OPTIMIZER_FORMAT:  # any layout, any vpp
             target = {"params": self.params}
             if load_optimizer:
-                target["opt_state"] = self.ddp.optimizer_state_global_abstract()
+                target["opt_state"] = self.optimizer.global_state_abstract()
             target = map_layer_leaves(layer_order_target, target, self.ddp.param_paths)
             if self.moe_state is not None:
                 target["moe_state"] = jax.tree.map(layer_order_target, self.moe_state)
@@ -690,7 +691,7 @@ class Pretrainer:
             if self.moe_state is not None:
                 self.moe_state = jax.tree.map(lambda x: from_layer_order(x, vpp), restored["moe_state"])
             if load_optimizer:
-                self.opt_state = self.ddp.optimizer_state_from_global(restored["opt_state"])
+                self.opt_state = self.optimizer.state_from_global(restored["opt_state"])
         else:  # the per-device format: the optimizer state only into its own layout
             target = {"params": self.params, **({"opt_state": self.opt_state} if load_optimizer else {})}
             restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)

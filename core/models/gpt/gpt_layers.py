@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from core.context_parallel import attention_dropout_mask, context_parallel_attention, cp_positions, kv_rotation_for
+from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.causal_attention import causal_attention, preferred_layout
 from core.models.gpt.gpt_config import GPTConfig
 from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS
@@ -415,33 +416,26 @@ def mask_padded_logits(logits: jax.Array, vocab_size: int, axis_name: str = TP_A
     return jnp.where(ids < vocab_size, logits, jnp.finfo(logits.dtype).min)
 
 
-def language_model_loss(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None,
-                        vocab_size: int | None = None, context_parallel_axis: str | None = None) -> jax.Array:
-    """Next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels:
-    the mean, or with ``loss_mask`` (``[b, s]``) Megatron's ``sum(loss * mask) / sum(mask)``
-    (denominator at least 1). ``vocab_size`` below the logits' (padded) vocabulary masks the
-    padding ids first (:func:`mask_padded_logits`).
-
-    ``context_parallel_axis``: the sequence is split over this mesh axis (``"cp"``). Numerator
-    and denominator are then summed over it, so the value is the whole sequence's loss on every
-    cp rank; the gradient is ``cp`` times this rank's share of it (Megatron's ``loss * cp``),
-    because the data-parallel reduction sums the cp ranks' gradients and divides by ``dp * cp``.
-    """
+def language_model_loss_terms(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None,
+                              vocab_size: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Next-token cross entropy of vocabulary-split ``[s, b, V/tp]`` logits and ``[b, s]`` labels as
+    the loss contract's terms: ``(sum of the token losses, number of tokens)`` over this rank's
+    tokens, each token weighted by ``loss_mask`` (``[b, s]``; all ones without it).
+    ``vocab_size`` below the logits' (padded) vocabulary masks the padding ids first
+    (:func:`mask_padded_logits`)."""
     if vocab_size is not None:
         logits = mask_padded_logits(logits, vocab_size)
     losses = vocab_parallel_cross_entropy(logits, jnp.swapaxes(labels, 0, 1))
-    if context_parallel_axis is None:
-        if loss_mask is None:
-            return jnp.mean(losses)
-        mask = jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
-        return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    mask = jnp.ones(losses.shape, jnp.float32) if loss_mask is None else \
-        jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
-    cp = lax.axis_size(context_parallel_axis)
-    denominator = jnp.maximum(lax.psum(jnp.sum(mask), context_parallel_axis), 1.0)
-    local = jnp.sum(losses * mask)
-    # The psum only sees a stop_gradient'ed value, so no collective is transposed (its transpose
-    # under shard_map without vma checks would multiply the cotangent by cp a second time).
-    value = lax.psum(lax.stop_gradient(local), context_parallel_axis) / denominator
-    share = cp * local / denominator
-    return value + (share - lax.stop_gradient(share))
+    if loss_mask is None:
+        return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32)
+    mask = jnp.swapaxes(loss_mask, 0, 1).astype(jnp.float32)
+    return jnp.sum(losses * mask), jnp.sum(mask)
+
+
+def language_model_loss(logits: jax.Array, labels: jax.Array, loss_mask: jax.Array | None = None,
+                        vocab_size: int | None = None, context_parallel_axis: str | None = None) -> jax.Array:
+    """The mean of :func:`language_model_loss_terms`: Megatron's ``sum(loss * mask) / sum(mask)``
+    (denominator at least 1). ``context_parallel_axis``: the sequence is split over this mesh axis
+    (``"cp"``); the value is then the whole sequence's loss on every cp rank and the gradient
+    ``cp`` times this rank's share (:func:`~core.distributed.loss_normalization.sequence_mean`)."""
+    return sequence_mean(*language_model_loss_terms(logits, labels, loss_mask, vocab_size), context_parallel_axis)

@@ -24,14 +24,14 @@ from ``fold_in(key, l)`` and every weight tensor-parallel-invariantly, so the in
 not depend on tp, pp or dp. Embedding and head live on every pipeline stage (used by the first
 and last); ``finalize_model_grads`` sums their grads over ``"pp"``, Megatron's embedding group.
 
-Two training paths give the same result: without pipelining :meth:`GPTModel.loss_fn` is
-differentiated by DDP's microbatch loop; with pipelining :meth:`GPTModel.forward_backward` runs
-Megatron's (interleaved) 1F1B with the table-driven executor.
+Two training paths give the same result: without pipelining :meth:`GPTModel.loss_fn` (Megatron's
+loss contract, ``(loss_sum, num_tokens, report)``) is differentiated by the training step's
+microbatch loop; with pipelining :meth:`GPTModel.forward_backward` runs Megatron's (interleaved)
+1F1B with the table-driven executor.
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import flax.linen as nn
@@ -41,19 +41,21 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from core.context_parallel import cp_positions
+from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import (
     GPTEmbedding,
     GPTOutputHead,
     LayerContext,
     TransformerLayer,
-    language_model_loss,
+    language_model_loss_terms,
 )
 from core.parallel_state import CP_AXIS, PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
 from core.transformer.moe import MOE_STATE, get_updated_expert_bias
+from core.transformer.moe.moe_utils import attach_aux_loss, current_moe_aux_loss_scale
 from core.transformer.recompute import with_recompute
 
 
@@ -171,27 +173,22 @@ class GPTModel:
         return x.astype(self.config.compute_dtype)
 
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
-                   first_layer: int | jax.Array = 0, chunk_bias: jax.Array | None = None) -> jax.Array:
-        """The layers of one model chunk (params stacked ``[L/(pp*vpp), ...]``), as a scan;
-        ``first_layer`` is the chunk's first global layer index (its dropout keys use it).
-        With MoE layers their aux losses are dropped here: training uses :meth:`run_layers_moe`."""
-        if self.moe_layer is not None:
-            return self.run_layers_moe(chunk_layers, x, microbatch, first_layer, chunk_bias)[0]
-        ctx = self.context(microbatch)
-        body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
-        body = with_recompute(body, self.config.recompute_granularity)
-        index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
-        return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0]
+                   first_layer: int | jax.Array = 0, chunk_bias: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """The layers of one model chunk; ``first_layer`` is the chunk's first global layer index
+        (its dropout keys use it). Returns ``(x, stats)``: ``stats`` is empty for a dense model;
+        with MoE layers it holds this rank's shares of the chunk's MoE losses summed over its layers
+        (``"aux_loss"``, ``"z_loss"``, and ``"total"``, cp times their sum, which enters the
+        objective) and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens).
 
-    def run_layers_moe(self, chunk_layers: dict, x: jax.Array, microbatch: dict | None = None,
-                       first_layer: int | jax.Array = 0,
-                       chunk_bias: jax.Array | None = None) -> tuple[jax.Array, dict]:
-        """The layers of one model chunk of a MoE model (params ``{"dense", "moe"}`` stacked per
-        kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's expert biases, with them), unrolled;
-        returns ``(x, stats)`` with this rank's shares of the chunk's MoE losses summed over its
-        layers (``"aux_loss"``, ``"z_loss"``, and their sum ``"total"`` that enters the objective)
-        and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens)."""
+        Dense layers (params stacked ``[L/(pp*vpp), ...]``) run as a scan. A MoE model's chunk
+        (params ``{"dense", "moe"}`` stacked per kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's
+        expert biases, with them) runs unrolled in layer order."""
         ctx = self.context(microbatch)
+        if self.moe_layer is None:
+            body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
+            body = with_recompute(body, self.config.recompute_granularity)
+            index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
+            return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0], {}
         chunk = self._cast(chunk_layers)
         count = {"dense": 0, "moe": 0}
         auxes = []
@@ -214,23 +211,28 @@ class GPTModel:
                 x = out
         aux_loss = sum(a["aux_loss"].astype(jnp.float32) for a in auxes)
         z_loss = sum(a["z_loss"].astype(jnp.float32) for a in auxes)
-        # The objective gets cp x this rank's share, as the LM loss does (language_model_loss: the
+        # The objective gets cp x this rank's share, as the LM loss does (sequence_mean: the
         # data-parallel reduction averages the cp ranks' gradients).
         cp = self.config.context_parallel_size
         stats = {"aux_loss": aux_loss, "z_loss": z_loss, "total": (aux_loss + z_loss) * cp,
                  "tokens_per_expert": jnp.stack([a["tokens_per_expert"].astype(jnp.float32) for a in auxes])}
         return x, stats
 
-    def loss(self, shared: dict, x: jax.Array, microbatch: dict | jax.Array) -> jax.Array:
+    def loss(self, shared: dict, x: jax.Array, microbatch: dict | jax.Array) -> tuple[jax.Array, jax.Array]:
         """Last stage: final norm, output layer, vocabulary-parallel cross entropy of the
-        microbatch's labels (bare labels also accepted), averaged over its loss mask."""
+        microbatch's labels (bare labels also accepted) as the loss contract's terms: ``(loss
+        summed over this rank's tokens, their number)``, weighted by the loss mask."""
         batch = microbatch if isinstance(microbatch, dict) else {"labels": microbatch}
         shared = self._cast(shared)
         word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
             else None
         logits = self.head.apply({"params": shared["head"]}, x, word)
-        cp_axis = CP_AXIS if self.config.context_parallel_size > 1 else None
-        return language_model_loss(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size, cp_axis)
+        return language_model_loss_terms(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size)
+
+    @property
+    def sequence_axis(self) -> str | None:
+        """The mesh axis that splits a sequence (``"cp"`` under context parallelism), else None."""
+        return CP_AXIS if self.config.context_parallel_size > 1 else None
 
     def activation_shape(self, micro_batch_size: int) -> tuple[int, int, int]:
         """Local shape of the activations sent between pipeline stages."""
@@ -240,42 +242,32 @@ class GPTModel:
         return (s, micro_batch_size, self.config.hidden_size)
 
     # -- whole-model entry points -----------------------------------------------------------
-    def loss_fn(self, params: dict, microbatch: dict, moe_state: dict | None = None) -> jax.Array:
-        """Mean loss of one microbatch through the whole model (no pipelining). With MoE layers
-        the value is the LM loss and the gradient also that of the MoE aux and z losses
-        (:meth:`loss_fn_with_metrics`)."""
-        if self.moe_layer is not None:
-            return self.loss_fn_with_metrics(params, microbatch, moe_state)[0]
-        if self.pp > 1:
-            raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
-        x = self.embed(params, microbatch)
-        for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
-            x = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
-                                c * self.layers_per_chunk)
-        return self.loss(params, x, microbatch)
-
-    def loss_fn_with_metrics(self, params: dict, microbatch: dict,
-                             moe_state: dict | None = None) -> tuple[jax.Array, dict]:
-        """MoE model, no pipelining: ``(loss, metrics)`` (``moe_state``: :meth:`moe_state_shape`'s
-        local arrays, needed with the expert bias). ``loss`` has the LM loss's value and the
-        gradient of LM loss + the MoE aux and z losses (their sum enters as ``A - stop_gradient(A)``,
-        an exact zero, so the reported loss stays the LM loss; the loss's ``1/num_microbatches``
-        scaling applies to both). ``metrics`` (:meth:`moe_metrics`) for logging."""
+    def loss_fn(self, params: dict, microbatch: dict, model_state: dict | None = None
+                ) -> tuple[jax.Array, jax.Array, dict]:
+        """One microbatch through the whole model (no pipelining), Megatron's loss contract:
+        ``(loss summed over this rank's tokens, their number, report)``. ``report`` holds the MoE
+        values of :meth:`moe_metrics` (empty for a dense model); the MoE aux and z losses enter
+        the gradient through the hidden states (:func:`~core.transformer.moe.moe_utils.attach_aux_loss`,
+        weighted by the training step's ``moe_aux_loss_scale``), not the returned loss.
+        ``model_state``: :meth:`moe_state_shape`'s local arrays, needed with the expert bias."""
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
         x = self.embed(params, microbatch)
         stats = []
-        for c in range(self.vpp):
-            x, st = self.run_layers_moe(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
-                                        c * self.layers_per_chunk, _chunk_bias(moe_state, c))
+        for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
+            x, st = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
+                                    c * self.layers_per_chunk, _chunk_bias(model_state, c))
             stats.append(st)
-        total = sum(st["total"] for st in stats)
-        loss = self.loss(params, x, microbatch)
-        loss = loss + (total - lax.stop_gradient(total)).astype(loss.dtype)
-        return loss, self.moe_metrics(stats)
+        report = {}
+        if self.moe_layer is not None:
+            total = sum(st["total"] for st in stats)
+            x = attach_aux_loss(x, total, current_moe_aux_loss_scale())
+            report = self.moe_metrics(stats)
+        loss_sum, num_tokens = self.loss(params, x, microbatch)
+        return loss_sum, num_tokens, report
 
     def moe_metrics(self, stats: list[dict]) -> dict:
-        """Logged MoE values of one microbatch from :meth:`run_layers_moe`'s stats (in layer order):
+        """Logged MoE values of one microbatch from :meth:`run_layers`'s stats (in layer order):
         ``moe_aux_loss`` and ``moe_z_loss`` (summed over the MoE layers: what enters the objective),
         and ``moe_tokens_per_expert`` ``[n_moe_layers, E]``, each summed over tp and cp (the shares of
         the ranks that split a sequence add up to its loss); the trainer averages them over data
@@ -285,8 +277,8 @@ class GPTModel:
                                      "moe_tokens_per_expert": jnp.concatenate([st["tokens_per_expert"]
                                                                                for st in stats])})
 
-    def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0, with_metrics: bool = False):
-        """The executor's ``stage_step``; ``with_metrics`` (MoE): it also returns the chunk's
+    def _stage_step(self, micro_batch_size: int, aux_loss_scale: float = 1.0):
+        """The executor's ``stage_step``; with MoE layers it also returns the chunk's
         :meth:`stage_moe_metrics`."""
         last = self.pp * self.vpp - 1
         shape = self.activation_shape(micro_batch_size)
@@ -296,15 +288,13 @@ class GPTModel:
             chunk, bias = chunk_and_bias
             received = jnp.broadcast_to(received, shape).astype(dtype)
             x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
-            stats = None
-            if self.moe_layer is None:
-                y = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk)
-            else:  # the MoE losses' gradient enters through the chunk's output (no loss plumbing across stages)
-                y, stats = self.run_layers_moe(chunk, x, mb, vs * self.layers_per_chunk, bias)
+            y, stats = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk, bias)
+            if self.moe_layer is not None:  # the MoE losses' gradient enters through the chunk's output
                 y = attach_aux_loss(y, stats["total"], aux_loss_scale)
-            loss = lax.cond(vs == last, lambda: self.loss(shared, y, mb).astype(jnp.float32),
+            loss = lax.cond(vs == last,
+                            lambda: sequence_mean(*self.loss(shared, y, mb), self.sequence_axis).astype(jnp.float32),
                             lambda: jnp.zeros((), jnp.float32))
-            if with_metrics:
+            if self.moe_layer is not None:
                 return y, (loss, {"lm loss": loss}), self.stage_moe_metrics(stats, vs)
             return y, (loss, {"lm loss": loss})
 
@@ -312,7 +302,7 @@ class GPTModel:
 
     def stage_moe_metrics(self, stats: dict, virtual_stage: int | jax.Array) -> dict:
         """One chunk's share of :meth:`moe_metrics` (before the tp / cp sums) from its
-        :meth:`run_layers_moe` stats: the aux and z losses, and ``moe_tokens_per_expert`` as the
+        :meth:`run_layers` stats: the aux and z losses, and ``moe_tokens_per_expert`` as the
         ``[n_moe_layers, E]`` of the whole model with the chunk's rows filled in (the chunk of
         virtual stage ``v`` holds MoE layers ``v * n_moe_chunk`` onwards), zeros elsewhere, so the
         sum over the virtual stages is the whole model's."""
@@ -323,50 +313,43 @@ class GPTModel:
                 "moe_z_loss": lax.stop_gradient(stats["z_loss"]),
                 "moe_tokens_per_expert": lax.dynamic_update_slice(rows, tpe, (virtual_stage * n_chunk, 0))}
 
-    def forward_backward(self, params: dict, batch: dict, num_microbatches: int, *,
-                         forward_only: bool = False, with_metrics: bool = False,
-                         moe_state: dict | None = None) -> tuple:
-        """Pipelined forward (and backward) of this rank's local batch, split into microbatches.
-
-        Returns ``(grads or None, mean loss)`` with the loss valid on every pipeline stage;
-        ``with_metrics`` (MoE models) adds a third element, :meth:`moe_metrics` averaged over the
-        microbatches (the pp = 1 values of :meth:`loss_fn_with_metrics`), on every rank: each
-        virtual stage's share, summed by the executor over the stages. ``moe_state``: the local
-        expert biases, which travel with each chunk's layers (their zero gradient is dropped).
-        """
-        if with_metrics and self.moe_layer is None:
-            raise ValueError("with_metrics needs a MoE model (config.moe)")
+    def forward_backward(self, params: dict, batch: dict, num_microbatches: int, *, forward_only: bool = False,
+                         model_state: dict | None = None) -> tuple:
+        """Pipelined forward (and backward) of this rank's local batch, split into microbatches:
+        the training step's ``forward_backward`` contract, ``(grads or None, mean loss, num_tokens,
+        report)``. The loss (the microbatches' mean) is valid on every pipeline stage; the grads
+        are those of that mean (the per-microbatch normalisation); ``num_tokens`` is zero (no
+        per-token normalisation with pipelining); ``report`` is :meth:`moe_metrics` averaged over
+        the microbatches on every rank (each virtual stage's share, summed by the executor over the
+        stages; empty for a dense model). ``model_state``: the local expert biases, which travel
+        with each chunk's layers (their zero gradient is dropped)."""
         m = num_microbatches
+        moe = self.moe_layer is not None
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        bias = None if moe_state is None else moe_state["expert_bias"]
+        bias = None if model_state is None else model_state["expert_bias"]
         losses, g_chunks, g_shared, _, *stage = execute_stages(
-            self._stage_step(mbs["tokens"].shape[1], 1.0 / m, with_metrics), mbs, (params["layers"], bias), shared,
-            num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=with_metrics)
+            self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], bias), shared,
+            num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe)
         loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
         grads = None if forward_only else {"layers": g_chunks[0], **g_shared}
-        if not with_metrics:
-            return grads, loss
-        return grads, loss, _sum_sequence_shares(jax.tree.map(lambda *v: sum(v) / m, *stage[0]))
+        report = _sum_sequence_shares(jax.tree.map(lambda *v: sum(v) / m, *stage[0])) if moe else {}
+        return grads, loss, jnp.zeros((), jnp.float32), report
 
-    def ddp_forward_backward(self, num_microbatches: int, with_metrics: bool = False):
-        """``forward_backward(params, batch, model_state=None) -> (grads, loss, num_tokens)`` for
-        DDP's train step (``with_metrics``: and the MoE metrics, a fourth element:
-        ``make_train_step(..., loss_metrics=True)``; ``model_state``: the MoE state)."""
-
-        def fn(params, batch, model_state=None):
-            grads, loss, *metrics = self.forward_backward(params, batch, num_microbatches, with_metrics=with_metrics,
-                                                          moe_state=model_state)
-            return grads, loss, jnp.zeros((), jnp.float32), *metrics
-
-        return fn
-
-    def eval_loss(self, params: dict, batch: dict, num_microbatches: int, moe_state: dict | None = None) -> jax.Array:
-        """Mean loss of this rank's local batch (forward only; inside ``shard_map``)."""
+    def eval_loss(self, params: dict, batch: dict, num_microbatches: int,
+                  model_state: dict | None = None) -> jax.Array:
+        """Mean loss of this rank's local batch (forward only; inside ``shard_map``): each
+        microbatch's mean over its tokens (the whole sequence's under context parallelism),
+        averaged over the microbatches."""
         if self.pp > 1:
-            return self.forward_backward(params, batch, num_microbatches, forward_only=True, moe_state=moe_state)[1]
-        return jnp.mean(lax.map(lambda mb: self.loss_fn(params, mb, moe_state),
-                                split_microbatches(batch, num_microbatches)))
+            return self.forward_backward(params, batch, num_microbatches, forward_only=True,
+                                         model_state=model_state)[1]
+
+        def one(mb):
+            loss_sum, num_tokens, _ = self.loss_fn(params, mb, model_state)
+            return sequence_mean(loss_sum, num_tokens, self.sequence_axis)
+
+        return jnp.mean(lax.map(one, split_microbatches(batch, num_microbatches)))
 
 
 def _chunk_bias(moe_state: dict | None, chunk: int) -> jax.Array | None:
@@ -378,26 +361,6 @@ def _sum_sequence_shares(metrics: dict) -> dict:
     """Logged MoE values summed over the ranks that split a sequence (tp under sequence
     parallelism, cp): their shares add up to the sequence's value. No gradient flows."""
     return jax.tree.map(lambda v: lax.psum(lax.stop_gradient(v), ("tp", CP_AXIS)), metrics)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def attach_aux_loss(x: jax.Array, aux_loss: jax.Array, scale: float) -> jax.Array:
-    """Identity on ``x`` whose backward also gives ``aux_loss`` the cotangent ``scale``: Megatron's
-    ``MoEAuxLossAutoScaler``. The aux loss's gradient joins the backward wherever ``x``'s does (any
-    pipeline stage), as if ``scale * aux_loss`` were added to the loss; ``scale`` is the LM loss's
-    own scaling (``1 / num_microbatches``)."""
-    return x
-
-
-def _attach_fwd(x, aux_loss, scale):
-    return x, aux_loss
-
-
-def _attach_bwd(scale, aux_loss, g):
-    return g, jnp.full_like(aux_loss, scale)
-
-
-attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
 
 
 def _is_box(x: Any) -> bool:

@@ -9,8 +9,10 @@ the sparse ``[T, k]`` form (expert index and prob per selected slot), not Megatr
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -181,3 +183,49 @@ def get_updated_expert_bias(tokens_per_expert: jax.Array, expert_bias: jax.Array
         tpe = lax.psum(tpe, tuple([axis_name] if isinstance(axis_name, str) else axis_name))
     step = jnp.sign(tpe.mean(axis=-1, keepdims=True) - tpe) * expert_bias_update_rate
     return (expert_bias.astype(jnp.float32) + step).astype(expert_bias.dtype)
+
+
+_AUX_LOSS_SCALE: list[float | None] = [1.0]
+
+
+@contextlib.contextmanager
+def moe_aux_loss_scale(scale: float | None) -> Iterator[None]:
+    """Megatron's ``MoEAuxLossAutoScaler.set_loss_scale`` for the code traced inside: the
+    cotangent the MoE aux losses get in the backward (:func:`attach_aux_loss`). The training step
+    sets ``1 / num_microbatches`` (the LM loss's own scaling); None: the step cannot weigh them
+    (a per-token loss), and a model with aux losses is refused where it attaches them."""
+    previous = _AUX_LOSS_SCALE[0]
+    _AUX_LOSS_SCALE[0] = scale
+    try:
+        yield
+    finally:
+        _AUX_LOSS_SCALE[0] = previous
+
+
+def current_moe_aux_loss_scale() -> float:
+    """The scale :func:`moe_aux_loss_scale` set (1.0 outside a training step)."""
+    scale = _AUX_LOSS_SCALE[0]
+    if scale is None:
+        raise ValueError("MoE auxiliary losses need a per-microbatch mean loss: calculate_per_token_loss "
+                         "(per-token normalisation) does not weigh them")
+    return scale
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def attach_aux_loss(x: jax.Array, aux_loss: jax.Array, scale: float) -> jax.Array:
+    """Identity on ``x`` whose backward also gives ``aux_loss`` the cotangent ``scale``: Megatron's
+    ``MoEAuxLossAutoScaler``. The aux loss's gradient joins the backward wherever ``x``'s does (any
+    pipeline stage), as if ``scale * aux_loss`` were added to the loss; ``scale`` is the LM loss's
+    own scaling (``1 / num_microbatches``, :func:`current_moe_aux_loss_scale`)."""
+    return x
+
+
+def _attach_fwd(x, aux_loss, scale):
+    return x, aux_loss
+
+
+def _attach_bwd(scale, aux_loss, g):
+    return g, jnp.full_like(aux_loss, scale)
+
+
+attach_aux_loss.defvjp(_attach_fwd, _attach_bwd)
