@@ -141,7 +141,8 @@ def make_train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer
     def train_step(params, opt_state, batch, *rest):
         check(batch, rest)
         out = program(batch)(params, opt_state, batch, *rest)
-        model.params = out[0]  # the donated input is gone; the facade follows the step
+        # The donated inputs are gone; Megatron's loop (model.params, optimizer.step()) follows the step.
+        model.params, optimizer.opt_state = out[0], out[1]
         return out
 
     def lower(params, opt_state, batch, *rest) -> jax.stages.Lowered:
