@@ -51,7 +51,7 @@ def _measure(call, barrier, reps: int) -> tuple[float, float]:
 
 def _jax_calls(impl: str, numel: int):
     """(all-reduce call, barrier) for the JAX implementations, one device per process."""
-    from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+    from core.runtime.cpu_threads import configure_cpu_threads, release_cpu_affinity
 
     configure_cpu_threads(share_pool=True)  # the launch path's thread pool of the process's share
     import jax

@@ -598,8 +598,8 @@ if __name__ == "__main__":
         start_worker_process()
         processes_main()
         sys.exit(0)
-    from core.cpu_devices import configure_cpu_devices
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_devices import configure_cpu_devices
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
 
     # The launch path's malloc settings (freed buffers kept, not page-faulted in again every call);
     # no XLA heap split, so memory_analysis() sees the default buffer assignment.

@@ -315,8 +315,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from core.cpu_devices import configure_cpu_devices, cpu_devices_per_process
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_devices import configure_cpu_devices, cpu_devices_per_process
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
     from core.training.arguments import layout_fits, parse_args
 
     # As launch/pretrain.py does for its default run (100 iterations, compilation cache on).

@@ -11,8 +11,8 @@ gloo (``bench/e2e_torch.py``, skipped when torch is not installed:
 memory per process, ratios against each peer at the same world size; each case is launched
 ``--rounds`` times, round-robin with the others, and its fastest round reported) and writes
 ``bench/results/e2e.{json,md,png}``. Every process sets its CPU threads from the number of
-processes on the host (``core/cpu_threads.py``), and the JAX workers expose one CPU device per
-core of their share, as the package's launch path does (``core/cpu_devices.py``; the
+processes on the host (``core/runtime/cpu_threads.py``), and the JAX workers expose one CPU device per
+core of their share, as the package's launch path does (``core/runtime/cpu_devices.py``; the
 ``devices`` column: all of the world's JAX devices).
 """
 

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.cpu_threads import configure_cpu_threads, release_cpu_affinity  # noqa: E402
+from core.runtime.cpu_threads import configure_cpu_threads, release_cpu_affinity  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -128,8 +128,8 @@ def pmean_step_times(a: argparse.Namespace, world: int):
 def main() -> None:
     """Measure and print rank 0's JSON line."""
     a = _args()
-    from core.cpu_devices import configure_cpu_devices, cpu_devices_per_process
     from core.parallel_state import initialize_distributed, mpi_world_size_from_env
+    from core.runtime.cpu_devices import configure_cpu_devices, cpu_devices_per_process
     from core.training.arguments import layout_fits, parse_args
 
     processes = mpi_world_size_from_env()
@@ -169,7 +169,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
 
     reexec_with_malloc_settings()  # as the package's launch path does
     main()

@@ -23,7 +23,7 @@ def _setup_threads() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
 
-    from core.cpu_threads import configure_cpu_threads
+    from core.runtime.cpu_threads import configure_cpu_threads
 
     n = configure_cpu_threads()
     torch.set_num_threads(n)

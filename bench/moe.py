@@ -502,8 +502,8 @@ if __name__ == "__main__":
         start_worker_process()
         processes_main()
         sys.exit(0)
-    from core.cpu_devices import configure_cpu_devices
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_devices import configure_cpu_devices
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
 
     reexec_with_malloc_settings()
     configure_cpu_devices(_args(sys.argv[1:]).devices)

@@ -42,8 +42,8 @@ def start_worker_process() -> None:
     """Start this ``mpirun`` rank as the launch path does: on the CPU each process's thread pool
     sized to its share of the cores, ``jax.distributed`` up, the backend started (it sizes its
     pool then), the CPU affinity released."""
-    from core.cluster import initialize_distributed
-    from core.cpu_threads import configure_cpu_threads, release_cpu_affinity
+    from core.runtime.cluster import initialize_distributed
+    from core.runtime.cpu_threads import configure_cpu_threads, release_cpu_affinity
 
     configure_cpu_threads(share_pool=True)
     initialize_distributed()

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 if __name__ == "__main__":
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
 
     reexec_with_malloc_settings()  # as the package's launch path does (CPU only)
     main()

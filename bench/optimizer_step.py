@@ -84,7 +84,7 @@ def _variants(devices: int) -> dict:
 def main() -> None:
     """Time the variants round-robin and print the table."""
     a = _args()
-    from core.cpu_devices import configure_cpu_devices
+    from core.runtime.cpu_devices import configure_cpu_devices
 
     configure_cpu_devices(a.devices)
     import jax
@@ -109,7 +109,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from core.cpu_malloc import reexec_with_malloc_settings
+    from core.runtime.cpu_malloc import reexec_with_malloc_settings
 
     reexec_with_malloc_settings()  # as the package's launch path does
     main()

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from core import cluster
+from core.runtime import cluster
 
 WRITER_NICE = 19
 """The writer process's nice value on the CPU backend (Linux): it takes the cycles the steps leave."""
@@ -212,7 +212,7 @@ def _to_host(sources: list, pinned_host: bool) -> list:
 
 def coordinator_address() -> str:
     """``host:port`` for the writers' job (process 0 proposes it): this host (or
-    ``JAX_COORDINATOR_IP``) and a free port, as :func:`core.cluster.coordinator_address` picks
+    ``JAX_COORDINATOR_IP``) and a free port, as :func:`core.runtime.cluster.coordinator_address` picks
     them, never the training job's own address or port."""
     environ = {k: v for k, v in os.environ.items() if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT")}
     return cluster.coordinator_address(0, environ)

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 # initialize_distributed and mpi_world_size_from_env are part of this module's API (re-exported).
-from core.cluster import initialize_distributed, mpi_world_size_from_env, process_host_index  # noqa: F401
+from core.runtime.cluster import initialize_distributed, mpi_world_size_from_env, process_host_index  # noqa: F401
 
 TP_AXIS = "tp"
 CP_AXIS = "cp"
@@ -232,7 +232,7 @@ class ParallelState:
 
 
 def device_host(device: jax.Device) -> int:
-    """The host a device sits on, as an index (``core.cluster.process_host_index``)."""
+    """The host a device sits on, as an index (``core.runtime.cluster.process_host_index``)."""
     return process_host_index(device.process_index)
 
 

@@ -413,7 +413,7 @@ def _setup_jax(num_cpu_devices: int) -> None:
     if ps.mpi_world_size_from_env() > 1:
         ps.initialize_distributed()
     elif not os.environ.get("JAX_NUM_CPU_DEVICES"):
-        from core.cpu_devices import configure_cpu_devices
+        from core.runtime.cpu_devices import configure_cpu_devices
 
         configure_cpu_devices(num_cpu_devices)
 

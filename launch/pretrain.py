@@ -70,7 +70,7 @@ class _Progress:
 
 def _report(failure, progress: _Progress, args, error: BaseException):
     """End the job for ``error`` with one line and the exit code of its kind (never returns)."""
-    from core.cluster import ClusterError
+    from core.runtime.cluster import ClusterError
     from core.training.arguments import ArgumentError
     from core.training.pretrainer import TrainingError, describe_error
 
@@ -89,9 +89,9 @@ def _report(failure, progress: _Progress, args, error: BaseException):
 def _configure_cpu(args, processes: int, reexec: bool) -> None:
     """CPU backend only, before JAX starts: malloc settings (re-executes the script), devices per
     process (one per core of the process's share, as many as the layout divides) and threads."""
-    from core.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
-    from core.cpu_malloc import CACHEABLE_RUN_ITERS, reexec_with_malloc_settings
-    from core.cpu_threads import configure_cpu_threads
+    from core.runtime.cpu_devices import ENV_VAR, configure_cpu_devices, cpu_devices_per_process
+    from core.runtime.cpu_malloc import CACHEABLE_RUN_ITERS, reexec_with_malloc_settings
+    from core.runtime.cpu_threads import configure_cpu_threads
     from core.training.arguments import fill_defaults, layout_fits
 
     # tp/pp defaults follow what was launched; the devices chosen for the cores only add dp.
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _start(args, rank: int, processes: int, failure, progress: _Progress, reexec: bool) -> int:
-    from core.cluster import initialize_distributed
-    from core.jax_backend import jax_runs_on_cpu
+    from core.runtime.cluster import initialize_distributed
+    from core.runtime.jax_backend import jax_runs_on_cpu
     from core.training.arguments import fill_defaults, validate_args
 
     if jax_runs_on_cpu():
@@ -144,7 +144,7 @@ def _start(args, rank: int, processes: int, failure, progress: _Progress, reexec
 def _device_count(jax) -> int:
     """``jax.device_count()``, or one line naming ``JAX_PLATFORMS`` when JAX cannot start the
     backend it names (JAX raises a bare ``AssertionError`` for a platform whose plugin is absent)."""
-    from core.cluster import ClusterError
+    from core.runtime.cluster import ClusterError
 
     try:
         return jax.device_count()
@@ -168,7 +168,7 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
 
     from core import checkpointing
     from core import parallel_state as ps
-    from core.cpu_threads import release_cpu_affinity
+    from core.runtime.cpu_threads import release_cpu_affinity
     from core.training.compilation_cache import default_cache_dir, enable_compilation_cache
     from core.training.pretrainer import Pretrainer, TrainingError
     from core.training.train_logging import TrainingLogger

@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from core.cluster import initialize_distributed  # noqa: E402
+from core.runtime.cluster import initialize_distributed  # noqa: E402
 
 initialize_distributed()
 import jax  # noqa: E402

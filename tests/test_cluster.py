@@ -1,10 +1,10 @@
-"""Starting jax.distributed on a cluster (core/cluster.py): which devices each process drives,
+"""Starting jax.distributed on a cluster (core/runtime/cluster.py): which devices each process drives,
 the coordinator, hosts, and errors that every rank raises alike."""
 
 import pytest
 
-from core import cluster
-from core.cluster import ClusterError, choose_local_device_ids
+from core.runtime import cluster
+from core.runtime.cluster import ClusterError, choose_local_device_ids
 
 
 @pytest.fixture

@@ -1,12 +1,12 @@
-"""jax.distributed as core.cluster starts it, in 8 real processes on one host."""
+"""jax.distributed as core.runtime.cluster starts it, in 8 real processes on one host."""
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from core import cluster
 from core import parallel_state as ps
+from core.runtime import cluster
 
 pytestmark = pytest.mark.mpi(min_size=8)
 

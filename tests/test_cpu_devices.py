@@ -1,9 +1,9 @@
-"""CPU devices per process (core/cpu_devices.py): one per core of the process's share, only on
+"""CPU devices per process (core/runtime/cpu_devices.py): one per core of the process's share, only on
 the CPU backend, only as many as the layout divides, and the user's JAX_NUM_CPU_DEVICES wins."""
 
 import pytest
 
-from core import cpu_devices, cpu_threads
+from core.runtime import cpu_devices, cpu_threads
 
 
 @pytest.fixture

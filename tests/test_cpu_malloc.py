@@ -1,4 +1,4 @@
-"""``core.cpu_malloc``: which settings are applied, and the one-time re-exec in a real process."""
+"""``core.runtime.cpu_malloc``: which settings are applied, and the one-time re-exec in a real process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from core.cpu_malloc import (
+from core.runtime.cpu_malloc import (
     KEEP_FREED_TUNABLES,
     OPT_OUT_VAR,
     XLA_HEAP_FLAG,
@@ -22,7 +22,7 @@ _SCRIPT = f"""
 import json, os, sys
 sys.path.insert(0, {ROOT!r})
 print("start", flush=True)
-from core.cpu_malloc import reexec_with_malloc_settings
+from core.runtime.cpu_malloc import reexec_with_malloc_settings
 reexec_with_malloc_settings()
 print(json.dumps({{"argv": sys.argv[1:], "tunables": os.environ.get("GLIBC_TUNABLES"),
                   "xla_flags": os.environ.get("XLA_FLAGS")}}))

@@ -1,8 +1,8 @@
-"""Thread counts and core shares of processes that share a host (core/cpu_threads.py)."""
+"""Thread counts and core shares of processes that share a host (core/runtime/cpu_threads.py)."""
 
 import pytest
 
-from core import cpu_threads
+from core.runtime import cpu_threads
 
 
 @pytest.fixture

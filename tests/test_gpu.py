@@ -77,7 +77,7 @@ def test_bf16_recompute_keeps_the_losses(granularity):
 
 
 def test_cpu_settings_stay_off_and_mfu_uses_the_datasheet():
-    from core.jax_backend import jax_runs_on_cpu
+    from core.runtime.jax_backend import jax_runs_on_cpu
     from core.training.device_peak import datasheet_peak, device_peak
 
     assert not jax_runs_on_cpu()  # decided before JAX started: the CPU-only settings were not applied

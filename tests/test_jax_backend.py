@@ -1,8 +1,8 @@
-"""Which backend JAX will run on, decided before it starts (core/jax_backend.py)."""
+"""Which backend JAX will run on, decided before it starts (core/runtime/jax_backend.py)."""
 
 import pytest
 
-from core import jax_backend
+from core.runtime import jax_backend
 
 
 @pytest.fixture

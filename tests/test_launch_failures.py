@@ -17,7 +17,7 @@ import pytest
 from spawn_env import spawn_env
 
 from core import checkpointing
-from core.jax_backend import visible_nvidia_gpus
+from core.runtime.jax_backend import visible_nvidia_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PRETRAIN = str(ROOT / "launch" / "pretrain.py")

@@ -4,7 +4,7 @@ Defaults give a small GPT that trains in a few minutes on a 2-core CPU machine, 
 ``mpirun -n 8`` (tp=2, pp=2, dp=2) and in one process (tp=pp=1). Validation depends only on
 the flags and the world size, so every rank reaches the same verdict without communicating.
 Importing this module does not import JAX: the launch path parses its flags before it
-re-executes itself with its malloc settings (``core.cpu_malloc``), so the model-side imports
+re-executes itself with its malloc settings (``core.runtime.cpu_malloc``), so the model-side imports
 are inside the two functions that need them.
 """
 

@@ -48,7 +48,7 @@ def enable_compilation_cache(directory: str, share_between_processes: bool = Fal
     With ``share_between_processes`` and a multi-process job on the CPU backend, process 0
     compiles each multi-process program and the others receive its binary (module docstring).
     Not on other backends (unmeasured there), and not when XLA splits CPU temp buffers into
-    heaps: such a program cannot be serialized (``core.cpu_malloc.CACHEABLE_RUN_ITERS``), and
+    heaps: such a program cannot be serialized (``core.runtime.cpu_malloc.CACHEABLE_RUN_ITERS``), and
     the other processes would wait for a binary that never comes. Call after
     ``jax.distributed`` has started.
     """
@@ -68,7 +68,7 @@ def can_share_cpu_programs() -> bool:
     the CPU backend, without XLA's heap split (whose programs do not serialize)."""
     import jax
 
-    from core.cpu_malloc import XLA_HEAP_FLAG
+    from core.runtime.cpu_malloc import XLA_HEAP_FLAG
 
     heap_flag = XLA_HEAP_FLAG.split("=")[0]
     return (jax.process_count() > 1 and jax.default_backend() == "cpu"

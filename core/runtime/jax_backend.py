@@ -1,6 +1,6 @@
 """Which backend JAX will run on, answered before JAX starts.
 
-The CPU-only settings (``core/cpu_malloc.py``, ``core/cpu_threads.py``, ``core/cpu_devices.py``)
+The CPU-only settings (``core/runtime/cpu_malloc.py``, ``core/runtime/cpu_threads.py``, ``core/runtime/cpu_devices.py``)
 must be applied before JAX starts its backend, and only when that backend is the CPU: a malloc
 that never returns memory, a heap-split XLA flag or narrowed thread affinity would change a GPU
 run. The answer comes from the environment and the device nodes, not from JAX:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from core.jax_backend import jax_runs_on_cpu
+from core.runtime.jax_backend import jax_runs_on_cpu
 
 _LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE",
                     "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE")

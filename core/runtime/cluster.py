@@ -27,7 +27,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
-from core.jax_backend import jax_runs_on_cpu, visible_nvidia_gpus
+from core.runtime.jax_backend import jax_runs_on_cpu, visible_nvidia_gpus
 
 MPI_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 """Environment variables that MPI launchers set to the number of ranks in the job."""

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from core.cpu_threads import threads_per_process
-from core.jax_backend import jax_runs_on_cpu
+from core.runtime.cpu_threads import threads_per_process
+from core.runtime.jax_backend import jax_runs_on_cpu
 
 ENV_VAR = "JAX_NUM_CPU_DEVICES"
 """JAX's own variable for ``jax_num_cpu_devices``; when set, the user's count is kept."""

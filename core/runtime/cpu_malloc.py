@@ -33,7 +33,7 @@ interpreter once with them (first thing in a launch script, before MPI or JAX st
 :data:`XLA_HEAP_FLAG` to ``XLA_FLAGS``. ``MCJ_MALLOC_TUNING=0`` opts out; a tunable or XLA flag
 the user set keeps the user's value. Needs glibc >= 2.35 (and for the huge pages the kernel's
 THP mode ``madvise`` or ``always``); elsewhere inert. Only for runs on JAX's CPU backend
-(``core.jax_backend.jax_runs_on_cpu``, decided before JAX starts): a GPU run's host memory is
+(``core.runtime.jax_backend.jax_runs_on_cpu``, decided before JAX starts): a GPU run's host memory is
 returned to the kernel as usual and XLA's GPU buffer assignment gets no heap-size constraint.
 """
 
@@ -43,7 +43,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from core.jax_backend import jax_runs_on_cpu
+from core.runtime.jax_backend import jax_runs_on_cpu
 
 KEEP_FREED_TUNABLES = (
     "glibc.malloc.hugetlb=1",  # transparent huge pages on malloc's memory
