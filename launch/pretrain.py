@@ -131,6 +131,12 @@ def _start(args, rank: int, processes: int, failure, progress: _Progress, reexec
 
     if jax_runs_on_cpu():
         _configure_cpu(args, processes, reexec=reexec)
+    if rank != 0:
+        # Logs are rank 0's job (native output too, such as gloo's connection lines). stderr
+        # stays, so a crash on any rank is still reported.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    elif args.debug:  # gloo's connection lines too (core/runtime/gloo_chatter.py)
+        os.environ.setdefault("MCJ_GLOO_LOGS", "1")
     initialize_distributed()
     failure.start_watcher()  # from here on a failure on any one rank ends every rank
     import jax
@@ -159,11 +165,6 @@ def _device_count(jax) -> int:
 
 
 def _run(args, layout, rank: int, progress: _Progress) -> int:
-    if rank != 0:
-        # Logs are rank 0's job; gloo also prints connection chatter to C-level stdout on every
-        # rank. stderr stays, so a crash on any rank is still reported.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
     import jax
 
     from core import checkpointing

@@ -102,6 +102,7 @@ def test_default_run_learns_below_unigram_entropy(tmp_path):
     result = _run(8, ["--metrics-file", str(metrics), "--no-progress-bar"], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "layout tp=2 pp=2 dp=2" in result.stdout
+    assert "[Gloo]" not in result.stdout
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     for key in ["iteration", "loss", "lr", "grad_norm", "tokens_per_sec", "step_time_s"]:
         assert key in records[-1]
@@ -206,7 +207,7 @@ def test_nan_loss_stops_and_keeps_last_checkpoint(tmp_path):
 def test_layout_follows_the_devices_not_the_processes(tmp_path):
     """2 processes x 4 devices each (as one host with 2 ranks of 4 GPUs): the world is the 8
     devices, the defaults give tp=2 pp=2 dp=2 and the run trains with the layout it prints; the
-    coordinator port comes from JAX_COORDINATOR_PORT."""
+    coordinator port comes from JAX_COORDINATOR_PORT; gloo's connection lines are not printed."""
     metrics = tmp_path / "m.jsonl"
     cmd = ["mpirun", "--oversubscribe", "-x", "XLA_FLAGS", "-x", "JAX_NUM_CPU_DEVICES=4", "-x",
            "JAX_COORDINATOR_PORT=47213", "-n", "2", sys.executable, PRETRAIN]
@@ -214,6 +215,7 @@ def test_layout_follows_the_devices_not_the_processes(tmp_path):
                             text=True, timeout=600, env=_env(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes, 8 cpu devices, layout tp=2 pp=2 dp=2, 2 microbatches of 2" in result.stdout
+    assert "[Gloo]" not in result.stdout + result.stderr  # gloo's connection lines (core/runtime/gloo_chatter.py)
     assert sorted(_losses(metrics)) == [1, 2, 3]
 
 

@@ -1,7 +1,8 @@
 """The process runtime: how a training process starts and what it asks of its host.
 
 - ``cluster``: starts ``jax.distributed`` under mpirun or SLURM (coordinator address, which local
-  devices each process drives, hosts).
+  devices each process drives, hosts); ``gloo_chatter`` keeps gloo's connection lines off a CPU
+  job's stdout.
 - ``jax_backend``: whether JAX will run on the CPU, decided before JAX starts; it gates every
   CPU-only setting below.
 - ``cpu_threads``, ``cpu_devices``, ``cpu_malloc``: CPU backend only: thread counts (opt-in

@@ -16,6 +16,9 @@ ranks share its host. From that, :func:`initialize_distributed` decides, on ever
 * **the host of every process** (:func:`process_host_index`), which ``parallel_state`` uses to
   keep tensor-parallel groups inside a host.
 
+On the CPU backend it also keeps gloo's ``[Gloo] Rank 0 is connected to ...`` lines out of
+standard output (:mod:`core.runtime.gloo_chatter`; ``MCJ_GLOO_LOGS=1`` keeps them).
+
 Problems (GPUs that do not split over the ranks, ranks that drive different device counts)
 raise :class:`ClusterError` with the numbers on every rank, before anything waits for a rank
 that will never come.
@@ -27,6 +30,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 
+from core.runtime.gloo_chatter import filter_gloo_chatter
 from core.runtime.jax_backend import jax_runs_on_cpu, visible_nvidia_gpus
 
 MPI_WORLD_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -150,6 +154,8 @@ def initialize_distributed() -> None:
             "JAX call touches the devices (jax.devices(), creating arrays, ...): call "
             "core.parallel_state.initialize_model_parallel() or initialize_distributed() first. "
             f"JAX said: {err}") from err
+    if jax_runs_on_cpu():  # gloo's collectives: their connection lines stay off stdout
+        filter_gloo_chatter()
     _PROCESS_HOSTS = host_indices(comm.allgather(socket.gethostname()))
     counts = comm.allgather(jax.local_device_count())
     if len(set(counts)) > 1:
