@@ -20,7 +20,7 @@ cost, before any of them is built:
 * **run** (median ms, dispatch to ready): what each program costs the device's stream;
 * **to host** (median ms, wall and the calling thread's CPU time): what the save thread then
   does before the shared buffer: the batched ``device_put`` into pinned host memory (as
-  ``core.checkpoint_writer`` stages it) and ``np.asarray`` of every result, per leaf against
+  ``core.checkpointing.writer_process`` stages it) and ``np.asarray`` of every result, per leaf against
   per block;
 * **memory**: each program's outputs and temporaries (XLA's ``memory_analysis``).
 
@@ -97,13 +97,13 @@ def programs(trainer: Any) -> dict[str, Callable]:
 
 def _to_host(outputs: Any) -> tuple[float, float]:
     """``(wall, thread CPU)`` seconds of the save thread's staging of ``outputs``' shards as the
-    writer process stages them (``core.checkpoint_writer._to_host``: one batched ``device_put``
+    writer process stages them (``core.checkpointing.writer_process._to_host``: one batched ``device_put``
     into pinned host memory where the device has it), then ``np.asarray`` of each; outputs already
     in pinned host memory are only read."""
     import jax
     import numpy as np
 
-    from core.checkpoint_writer import _to_host as stage
+    from core.checkpointing.writer_process import _to_host as stage
 
     leaves = jax.tree.leaves(outputs)
     wall, cpu = time.perf_counter(), time.thread_time()

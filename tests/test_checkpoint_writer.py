@@ -1,4 +1,4 @@
-"""core.checkpoint_writer in one process with 8 simulated devices: asynchronous saves written by
+"""core.checkpointing.writer_process in one process with 8 simulated devices: asynchronous saves written by
 a writer process (the default on Linux) hold what was saved, whatever the training process
 does to its arrays meanwhile; errors and a dead writer reach the next save; the writer runs at
 the lowest priority on the CPU and never outlives its training process.
@@ -21,8 +21,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core import checkpoint_writer
 from core.checkpointing import CheckpointSaver, complete_steps, restore_checkpoint, verify_checkpoint
+from core.checkpointing import writer_process as checkpoint_writer
 
 pytestmark = pytest.mark.skipif(not checkpoint_writer.available(), reason="the writer process needs Linux")
 

@@ -20,14 +20,18 @@ from core.checkpointing import (
     COMMIT_MARKER,
     CheckpointSaver,
     complete_steps,
+    coordination,
     latest_step,
     latest_valid_step,
     load_metadata,
     restore_checkpoint,
     save_checkpoint,
+    step_writer,
     verify_checkpoint,
     why_nothing_to_load,
 )
+from core.checkpointing import files as checkpoint_files
+from core.checkpointing import saver as saver_module
 
 META = {"iteration": 7, "consumed_samples": 224, "layout": {"tp": 2, "pp": 1, "dp": 4}, "seed": 1234}
 
@@ -302,7 +306,7 @@ def test_damaged_file_is_named_and_the_previous_checkpoint_used(ckdir, how):
 
 def test_save_without_copy_writes_the_given_arrays(ckdir, monkeypatch):
     """copy=False (the caller's arrays are its own copies already): no second snapshot."""
-    monkeypatch.setattr(checkpointing, "_copy_arrays", lambda arrays: pytest.fail("copied again"))
+    monkeypatch.setattr(saver_module, "_copy_arrays", lambda arrays: pytest.fail("copied again"))
     values, shardings = _values(4), _shardings_saved()
     CheckpointSaver(ckdir).save(4, _put(values, shardings), {**META, "iteration": 4}, copy=False)
     restored, _ = restore_checkpoint(ckdir, 4, _abstract(values, shardings))
@@ -344,7 +348,7 @@ def test_async_write_error_is_raised_by_the_next_save_and_nothing_is_committed(c
     _save(ckdir, 1)
     saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     monkeypatch.setattr(_FailingHandler, "error", error)
-    monkeypatch.setattr(checkpointing.ocp, "PyTreeCheckpointHandler", _FailingHandler)
+    monkeypatch.setattr(ocp, "PyTreeCheckpointHandler", _FailingHandler)
     saver.save(2, _put(_values(2), _shardings_saved()), {"iteration": 2})  # returns: the write is in the background
     with pytest.raises(OSError, match=expected):
         saver.save(3, _put(_values(3), _shardings_saved()), {"iteration": 3})
@@ -364,7 +368,7 @@ def test_a_saver_lists_its_directory_at_the_first_save_and_after_a_failed_one(ck
         listings.append(directory)
         return latest_step(directory)
 
-    monkeypatch.setattr(checkpointing, "latest_step", listing)
+    monkeypatch.setattr(saver_module, "latest_step", listing)
     _save(ckdir, 1)
     saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     for step in (2, 3):
@@ -375,7 +379,7 @@ def test_a_saver_lists_its_directory_at_the_first_save_and_after_a_failed_one(ck
         saver.save(3, _put(_values(3), _shardings_saved()), {"iteration": 3})
     assert len(listings) == 2
     with monkeypatch.context() as m:
-        m.setattr(checkpointing.ocp, "PyTreeCheckpointHandler", _FailingHandler)
+        m.setattr(ocp, "PyTreeCheckpointHandler", _FailingHandler)
         saver.save(4, _put(_values(4), _shardings_saved()), {"iteration": 4})
         with pytest.raises(OSError, match="No space left"):
             saver.wait()
@@ -394,7 +398,7 @@ def test_arrays_are_stored_uncompressed_and_compressed_checkpoints_still_load(ck
     save_checkpoint(ckdir, 1, {"z": zeros}, META)
     assert on_disk(1) >= zeros.nbytes
     handler = ocp.PyTreeCheckpointHandler
-    monkeypatch.setattr(checkpointing.ocp, "PyTreeCheckpointHandler", lambda **_: handler(use_compression=True))
+    monkeypatch.setattr(ocp, "PyTreeCheckpointHandler", lambda **_: handler(use_compression=True))
     save_checkpoint(ckdir, 2, {"z": zeros + 1}, META)
     monkeypatch.undo()
     assert on_disk(2) < zeros.nbytes / 10
@@ -428,7 +432,7 @@ def test_async_saves_share_one_thread_that_close_or_dropping_the_saver_ends(ckdi
 
 def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
     """A save returns while its write goes on, the next save joins it first, close() joins the last."""
-    write, active, seen = checkpointing._write_step, [], []
+    write, active, seen = step_writer._write_step, [], []
 
     def slow_write(*args):
         active.append(args[1])
@@ -437,7 +441,7 @@ def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
         write(*args)
         active.remove(args[1])
 
-    monkeypatch.setattr(checkpointing, "_write_step", slow_write)
+    monkeypatch.setattr(saver_module, "_write_step", slow_write)
     saver = CheckpointSaver(ckdir, max_to_keep=None, async_save=True, writer="thread")
     for step in (1, 2, 3):
         saver.save(step, _put(_values(step), _shardings_saved()), {"iteration": step})
@@ -450,13 +454,13 @@ def test_at_most_one_async_save_in_flight(ckdir, monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "setpriority"), reason="thread priorities are a Linux feature")
 def test_background_writer_runs_at_the_lowest_priority_on_cpu(ckdir, monkeypatch):
     """On the CPU backend the writer thread (only it) runs at nice 19, so the steps keep the cores."""
-    write, seen = checkpointing._write_step, []
+    write, seen = step_writer._write_step, []
 
     def recording_write(*args):
         seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         write(*args)
 
-    monkeypatch.setattr(checkpointing, "_write_step", recording_write)
+    monkeypatch.setattr(saver_module, "_write_step", recording_write)
     before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     saver = CheckpointSaver(ckdir, async_save=True, writer="thread")
     saver.save(1, _put(_values(1), _shardings_saved()), {"iteration": 1})
@@ -486,10 +490,10 @@ class _FakeCoordinationClient:
 
 
 def _as_process(monkeypatch, client, index):
-    monkeypatch.setattr(checkpointing.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(checkpointing.jax, "process_index", lambda: index)
-    monkeypatch.setattr(checkpointing.ocp.multihost, "get_jax_distributed_client", lambda: client)
-    monkeypatch.setattr(checkpointing, "_collective_ids", itertools.count(100))  # the same call on each process
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    monkeypatch.setattr(ocp.multihost, "get_jax_distributed_client", lambda: client)
+    monkeypatch.setattr(coordination, "collective_ids", itertools.count(100))  # the same call on each process
 
 
 def test_latest_valid_step_is_decided_by_process_0_alone(ckdir, monkeypatch):
@@ -504,7 +508,7 @@ def test_latest_valid_step_is_decided_by_process_0_alone(ckdir, monkeypatch):
     assert len(client.store) == 1
     # Process 1 reads no file (its view could even differ): it takes process 0's answer.
     _as_process(monkeypatch, client, 1)
-    monkeypatch.setattr(checkpointing, "_crc32", lambda path: pytest.fail("process 1 checksummed a file"))
+    monkeypatch.setattr(checkpoint_files, "_crc32", lambda path: pytest.fail("process 1 checksummed a file"))
     shutil.rmtree(os.path.join(ckdir, "1"))
     assert latest_valid_step(ckdir) == answer
 
@@ -512,7 +516,7 @@ def test_latest_valid_step_is_decided_by_process_0_alone(ckdir, monkeypatch):
 def test_an_error_on_process_0_reaches_the_others(ckdir, monkeypatch):
     client = _FakeCoordinationClient()
     _as_process(monkeypatch, client, 0)
-    monkeypatch.setattr(checkpointing, "complete_steps", lambda d: [1 / 0])
+    monkeypatch.setattr(checkpoint_files, "complete_steps", lambda d: [1 / 0])
     with pytest.raises(ZeroDivisionError):
         latest_valid_step(ckdir)
     _as_process(monkeypatch, client, 1)

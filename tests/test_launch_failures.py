@@ -91,7 +91,7 @@ def test_a_layout_error_is_one_line_without_dumps_from_the_other_ranks():
     assert seconds < 60
 
 
-# orbax reports a full disk to the caller and again from its threads; see core/orbax_failure_noise.py.
+# orbax reports a full disk to the caller and again from its threads; see core/checkpointing/orbax_failure_noise.py.
 @pytest.mark.parametrize("extra", [(), ("--async-save",)], ids=["sync", "async"])
 def test_a_full_disk_is_one_line_and_never_reported_as_saved(tmp_path, extra):
     disk = tmp_path / "disk"

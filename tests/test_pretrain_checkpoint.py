@@ -15,9 +15,10 @@ from pretrain_harness import TINY
 
 from core import checkpointing
 from core import parallel_state as ps
+from core.checkpointing import saver
+from core.checkpointing.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.optimizer import distrib_optimizer
 from core.training.arguments import parse_args, validate_args
-from core.training.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.training.pretrainer import Pretrainer, TrainingError
 
 LATER = 5  # iterations run after the resume
@@ -70,7 +71,7 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     assert all(x.is_deleted() for x in own)  # the step donated the trainer's arrays
     assert not any(x.is_deleted() for x in jax.tree.leaves(state)) and meta["iteration"] == 1
     jax.tree.map(np.testing.assert_array_equal, _host(state["params"]), before)
-    monkeypatch.setattr(checkpointing, "_copy_arrays", lambda arrays: pytest.fail("copied a second time"))
+    monkeypatch.setattr(saver, "_copy_arrays", lambda arrays: pytest.fail("copied a second time"))
     t.save(str(tmp_path / "ckpt"))
     assert checkpointing.complete_steps(tmp_path / "ckpt") == [2]
     calls, wait, copy = [], t._saver.wait, t.checkpoint_state  # the previous save's copy goes first

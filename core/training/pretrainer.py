@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core import checkpointing
+from core.checkpointing.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
 from core.context_parallel import reorder_for_cp
 from core.data import (
     ByteTokenizer,
@@ -74,7 +75,6 @@ from core.training.arguments import (
 )
 from core.training.device_peak import device_peak
 from core.training.exit_conditions import ExitConditions
-from core.training.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
 from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 from core.training.train_step import make_train_step

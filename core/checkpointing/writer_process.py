@@ -16,7 +16,7 @@ it. A save copies the process's shards (one per distinct index; on GPUs staged i
 memory, as orbax stages its transfers there) into a shared-memory buffer (``memfd``, mapped by
 both processes; the copies run outside the GIL) and sends the pytree,
 its arrays replaced by their descriptions, through a socket. The writer wraps the buffer's
-shards as CPU arrays of its twin devices and runs :func:`core.checkpointing._write_step`, the
+shards as CPU arrays of its twin devices and runs :func:`core.checkpointing.step_writer._write_step`, the
 same sequence (shards, barriers, commit marker, integrity record, retention) a synchronous
 save runs, so the files are identical. The training process's background thread then only
 waits for the answer (outside the GIL).
@@ -237,8 +237,9 @@ class WriterProcess:
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(jax.local_device_count()),
                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(core.__file__)),
                                                             os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "core.checkpoint_writer", str(child.fileno()), coordinator_address or "",
-                   str(jax.process_count()), str(jax.process_index()), "1" if lowest_priority else "0"]
+        command = [sys.executable, "-m", "core.checkpointing.writer_process", str(child.fileno()),
+                   coordinator_address or "", str(jax.process_count()), str(jax.process_index()),
+                   "1" if lowest_priority else "0"]
         self._process = subprocess.Popen(command, pass_fds=[child.fileno()], env=env)
         child.close()
         self._sock = parent
@@ -446,7 +447,7 @@ class _Writer:
              save_id: int) -> None:
         import jax
 
-        from core.checkpointing import _write_step
+        from core.checkpointing.step_writer import _write_step
 
         state = jax.tree.map(lambda x: self.array(x) if isinstance(x, _ShardedArray) else x, tree)
         _write_step(directory, step, state, metadata, max_to_keep, save_id)
@@ -487,7 +488,7 @@ def _serve(sock: socket.socket, processes: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The writer process: ``python -m core.checkpoint_writer FD ADDRESS PROCESSES INDEX NICE``."""
+    """The writer process: ``python -m core.checkpointing.writer_process FD ADDRESS PROCESSES INDEX NICE``."""
     start = time.perf_counter()
     _die_with_parent()
     # A scheduler's warning signal (or Ctrl-C) reaches the whole job, this process too: it must
@@ -510,6 +511,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":  # run as this module's import, so unpickled messages name the same classes
-    from core.checkpoint_writer import main as _main
+    from core.checkpointing.writer_process import main as _main
 
     _main(sys.argv[1:])
