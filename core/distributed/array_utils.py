@@ -7,10 +7,8 @@ scaling tutorials):
   key, e.g. different dropout masks on every data-parallel rank;
 * :func:`split_array_over_mesh` keeps this device's slice of a replicated array;
 * :func:`stack_params` / :func:`unstack_params` add / remove the size-1 model-axis dimension
-  that gives every rank of that axis its own parameter shard. They are the package's
-  implementation in :mod:`core.tensor_parallel.tp_dense` (used by ``ModelParallelismWrapper``),
-  reached through a deferred import so that this module never imports the tensor-parallel
-  package at import time (``core.tensor_parallel`` imports ``core.distributed``).
+  that gives every rank of that axis its own parameter shard (what
+  :class:`core.tensor_parallel.tp_dense.ModelParallelismWrapper` uses).
 """
 
 from __future__ import annotations
@@ -18,8 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax import lax
+
+from core.param_metadata import ParallelPartitioned
 
 AxisName = str | Sequence[str]
 """One mesh axis name or a tuple of them (a tuple acts as the product axis, major first)."""
@@ -71,23 +73,38 @@ def stack_params(params: Any, axis_name: str, axis: int = 0, mask_except: jax.Ar
     Each leaf becomes a partitioned box (``names`` gains ``axis_name`` at ``axis``), so the
     params of every rank of ``axis_name`` form one global array stacked along that dimension.
     With ``mask_except`` set, the values are zero except on that rank of the axis.
-    Same function as :func:`core.tensor_parallel.tp_dense.stack_params`.
     """
-    from core.tensor_parallel.tp_dense import stack_params as impl
 
-    return impl(params, axis_name, axis=axis, mask_except=mask_except)
+    def stack(x):
+        value, names = (x.value, tuple(x.names)) if _is_box(x) else (x, (None,) * jnp.ndim(x))
+        if mask_except is not None:
+            value = jnp.where(lax.axis_index(axis_name) == mask_except, value, jnp.zeros_like(value))
+        return ParallelPartitioned(jnp.expand_dims(value, axis), names[:axis] + (axis_name,) + names[axis:])
+
+    return jax.tree.map(stack, params, is_leaf=_is_box)
 
 
 def unstack_params(params: Any, axis_name: str) -> Any:
     """Remove the ``axis_name`` dimension that :func:`stack_params` added (inverse operation).
 
     Boxes left without any partitioned dimension are returned as plain arrays; leaves not
-    partitioned over ``axis_name`` are unchanged. Same function as
-    :func:`core.tensor_parallel.tp_dense.unstack_params`.
+    partitioned over ``axis_name`` are unchanged.
     """
-    from core.tensor_parallel.tp_dense import unstack_params as impl
 
-    return impl(params, axis_name)
+    def unstack(x):
+        if not (_is_box(x) and axis_name in x.names):
+            return x
+        names = tuple(x.names)
+        dim = names.index(axis_name)
+        rest = names[:dim] + names[dim + 1:]
+        value = jnp.squeeze(x.value, dim)
+        return ParallelPartitioned(value, rest) if any(n is not None for n in rest) else value
+
+    return jax.tree.map(unstack, params, is_leaf=_is_box)
+
+
+def _is_box(x: Any) -> bool:
+    return isinstance(x, nn.Partitioned)
 
 
 __all__ = ["AxisName", "fold_rng_over_axis", "split_array_over_mesh", "stack_params", "unstack_params"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax.core.frozen_dict import FrozenDict
 from jax import lax
 
-from core.param_metadata import ParallelPartitioned
+from core.distributed.array_utils import stack_params, unstack_params
 from core.tensor_parallel.async_collectives import (
     async_gather,
     async_gather_bidirectional,
@@ -39,33 +39,6 @@ _NO_KWARGS = FrozenDict({})
 
 def _is_box(x: Any) -> bool:
     return isinstance(x, nn.Partitioned)
-
-
-def stack_params(params: Any, axis_name: str, axis: int = 0, mask_except: int | None = None) -> Any:
-    """Add a model-axis dimension of size 1 at ``axis`` to every param (zeroed except on rank ``mask_except``)."""
-
-    def stack(x):
-        value, names = (x.value, tuple(x.names)) if _is_box(x) else (x, (None,) * jnp.ndim(x))
-        if mask_except is not None:
-            value = jnp.where(lax.axis_index(axis_name) == mask_except, value, jnp.zeros_like(value))
-        return ParallelPartitioned(jnp.expand_dims(value, axis), names[:axis] + (axis_name,) + names[axis:])
-
-    return jax.tree.map(stack, params, is_leaf=_is_box)
-
-
-def unstack_params(params: Any, axis_name: str) -> Any:
-    """Remove the model-axis dimension added by :func:`stack_params`."""
-
-    def unstack(x):
-        if not (_is_box(x) and axis_name in x.names):
-            return x
-        names = tuple(x.names)
-        dim = names.index(axis_name)
-        rest = names[:dim] + names[dim + 1:]
-        value = jnp.squeeze(x.value, dim)
-        return ParallelPartitioned(value, rest) if any(n is not None for n in rest) else value
-
-    return jax.tree.map(unstack, params, is_leaf=_is_box)
 
 
 def _unstack_wrapped_params(params: Any, axis_name: str) -> Any:
