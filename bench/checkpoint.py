@@ -93,7 +93,7 @@ def _async_stall(trainer: Any, saver: Any, steps: int) -> tuple[float, float]:
     afterwards, untimed)."""
     saver.wait()
     start = time.perf_counter()
-    state, meta = trainer.checkpoint_state()
+    state, meta = trainer.checkpointer.checkpoint_state(trainer.training_state())
     saver.save(trainer.iteration, state, meta, copy=False)  # as Pretrainer.save
     blocking = time.perf_counter() - start
     total = blocking + _steps(trainer, steps)
@@ -122,7 +122,7 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
     trainer = _trainer(model_flags, devices, [])
     _steps(trainer, 2)  # compile
     sync_dir = os.path.join(workdir, "sync")
-    trainer._saver = CheckpointSaver(sync_dir, max_to_keep=keep, async_save=False)  # as Pretrainer.save makes it
+    trainer.checkpointer._saver = CheckpointSaver(sync_dir, max_to_keep=keep, async_save=False)
     trainer.save(sync_dir)  # compiles the gather program
     # On a GPU also the writer process without pinned host staging (its device-to-host copies
     # into pageable memory), side by side: the default there stages them, as orbax does.
@@ -203,10 +203,10 @@ def measure_one_copy(model_flags: list[str], devices: int, steps: int, workdir: 
     log = lambda what: print(f"  [{time.perf_counter() - started:.0f} s] {what}", flush=True)
     trainer = _trainer(model_flags, devices, [])
     _steps(trainer, 2)  # compile
-    jax.block_until_ready(trainer.checkpoint_state()[0])  # compile the save's copy program
+    jax.block_until_ready(trainer.checkpointer.checkpoint_state(trainer.training_state())[0])  # compile the copy
     log("trainer built, step and save copy compiled")
     sync_dir = os.path.join(workdir, "sync")
-    trainer._saver = CheckpointSaver(sync_dir, max_to_keep=1, async_save=False)  # as Pretrainer.save makes it
+    trainer.checkpointer._saver = CheckpointSaver(sync_dir, max_to_keep=1, async_save=False)
     start = time.perf_counter()
     trainer.save(sync_dir)
     save = time.perf_counter() - start
@@ -275,7 +275,7 @@ def memory(trainer: Any, loader: Any) -> dict[str, float]:
     device = trainer.ddp.mesh.devices.flat[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                  if s.device == device)
-    copy = trainer._checkpoint_copy or trainer._make_checkpoint_copy()
+    copy = trainer.checkpointer._checkpoint_copy or trainer.checkpointer._make_checkpoint_copy(trainer.training_state())
     copy = copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile().memory_analysis()
     target = loader.optimizer.global_state_abstract()
     load = loader.ddp._programs["opt_from_global"].lower(target).compile().memory_analysis()

@@ -4,7 +4,7 @@
     python bench/snapshot_dispatch.py --smoke                 # tiny model, checks the script (CPU)
 
 An async save's blocking part is the dispatch of the program that copies the training state
-(``Pretrainer.checkpoint_state``). On an H200 (2026-11-28) it was 0.98 ms, 33% of the default
+(``Checkpointer.checkpoint_state``). On an H200 (2026-11-28) it was 0.98 ms, 33% of the default
 model's 3 ms step, so the checkpoint issue's target (a stall <= 10% of that step) is out of
 reach for it. This measures, side by side in one process on the default backend's first device,
 the default model (``launch/pretrain.py``'s, distributed optimizer), what other designs would

@@ -63,13 +63,14 @@ class _Progress:
         started, else empty."""
         if not self.training or self.trainer is None:
             return ""
-        if self.trainer.saving is not None:
-            return f" while saving checkpoint {self.trainer.saving}"
+        if self.trainer.checkpointer.saving is not None:
+            return f" while saving checkpoint {self.trainer.checkpointer.saving}"
         return f" in iteration {self.trainer.iteration + 1}"
 
 
 def _report(failure, progress: _Progress, args, error: BaseException):
     """End the job for ``error`` with one line and the exit code of its kind (never returns)."""
+    from core.checkpointing.checkpointer import CheckpointError
     from core.runtime.cluster import ClusterError
     from core.training.arguments import ArgumentError
     from core.training.pretrainer import TrainingError, describe_error
@@ -77,7 +78,7 @@ def _report(failure, progress: _Progress, args, error: BaseException):
     if isinstance(error, KeyboardInterrupt):
         saved = f"; the checkpoints in --save {args.save} are intact" if args.save else ""
         failure.fail(EXIT_INTERRUPTED, f"interrupted{progress.where()}{saved}", error)
-    if isinstance(error, TrainingError):
+    if isinstance(error, (TrainingError, CheckpointError)):
         failure.fail(EXIT_TRAINING_FAILED if progress.training else EXIT_BAD_INPUT, str(error), error)
     if isinstance(error, (ArgumentError, ClusterError)) or (
             not progress.training and isinstance(error, (ValueError, FileNotFoundError))):
@@ -228,7 +229,7 @@ def _print_checkpoint_notes(args, trainer, resumed: bool, logger) -> None:
     first save), what was resumed, or why nothing was."""
     from core import checkpointing
 
-    for skipped in trainer.skipped_checkpoints:
+    for skipped in trainer.checkpointer.skipped_checkpoints:
         logger.print(f"WARNING: --load {args.load}: {skipped}")
     flags_of: dict[str, tuple[str, list[str]]] = {}  # the same directory under both flags: one warning
     for flag, directory in (("--load", args.load), ("--save", args.save)):

@@ -16,10 +16,11 @@ from pretrain_harness import TINY
 from core import checkpointing
 from core import parallel_state as ps
 from core.checkpointing import saver
+from core.checkpointing.checkpointer import CheckpointError
 from core.checkpointing.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.optimizer import distrib_optimizer
 from core.training.arguments import parse_args, validate_args
-from core.training.pretrainer import Pretrainer, TrainingError
+from core.training.pretrainer import Pretrainer
 
 LATER = 5  # iterations run after the resume
 
@@ -65,7 +66,7 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     waits for the save in flight before it makes its copy (one copy in device memory at a time)."""
     t = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
     t.step()
-    state, meta = t.checkpoint_state()
+    state, meta = t.checkpointer.checkpoint_state(t.training_state())
     own, before = jax.tree.leaves(t.params), jax.tree.map(np.array, t.params)  # host copies, no views
     t.step()
     assert all(x.is_deleted() for x in own)  # the step donated the trainer's arrays
@@ -74,9 +75,9 @@ def test_a_save_copies_the_state_once_and_the_copy_outlives_the_next_step(tmp_pa
     monkeypatch.setattr(saver, "_copy_arrays", lambda arrays: pytest.fail("copied a second time"))
     t.save(str(tmp_path / "ckpt"))
     assert checkpointing.complete_steps(tmp_path / "ckpt") == [2]
-    calls, wait, copy = [], t._saver.wait, t.checkpoint_state  # the previous save's copy goes first
-    monkeypatch.setattr(t._saver, "wait", lambda: calls.append("wait") or wait())
-    monkeypatch.setattr(t, "checkpoint_state", lambda: calls.append("copy") or copy())
+    calls, wait, copy = [], t.checkpointer._saver.wait, t.checkpointer.checkpoint_state  # the previous save's copy first
+    monkeypatch.setattr(t.checkpointer._saver, "wait", lambda: calls.append("wait") or wait())
+    monkeypatch.setattr(t.checkpointer, "checkpoint_state", lambda state: calls.append("copy") or copy(state))
     t.step()
     t.save(str(tmp_path / "ckpt"))
     assert calls[:2] == ["wait", "copy"] and checkpointing.complete_steps(tmp_path / "ckpt") == [2, 3]
@@ -88,7 +89,7 @@ def test_a_saves_copy_takes_one_dp_th_of_params_and_optimizer_state_per_device()
     device, and the global form still converts back exactly."""
     t = _trainer(1, 1, "--use-distributed-optimizer")
     t.step()
-    state, _ = t.checkpoint_state()
+    state, _ = t.checkpointer.checkpoint_state(t.training_state())
     device = jax.devices()[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                  if s.device == device)
@@ -109,10 +110,10 @@ def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypa
     held (1.9 and 2.7 MB here against a largest param of 0.26 MB)."""
     monkeypatch.setattr(distrib_optimizer, "CONVERT_GROUP_MIN_ELEMENTS", 0)
     t = _trainer(1, 1, "--use-distributed-optimizer")
-    state, _ = t.checkpoint_state()
+    state, _ = t.checkpointer.checkpoint_state(t.training_state())
     largest = max(x.nbytes for x in jax.tree.leaves(t.params))
     assert sum(x.nbytes for x in jax.tree.leaves(state["opt_state"])) > 6 * largest
-    save = t._checkpoint_copy.lower(t.params, t.opt_state, t.moe_state).compile().memory_analysis()
+    save = t.checkpointer._checkpoint_copy.lower(t.params, t.opt_state, t.moe_state).compile().memory_analysis()
     assert save.temp_size_in_bytes < 1.5 * largest
     t.optimizer.state_from_global(state["opt_state"])
     load = t.optimizer._programs["from_global"].lower(state["opt_state"]).compile().memory_analysis()
@@ -171,7 +172,7 @@ def test_a_vpp_save_puts_the_layers_in_checkpoint_order_in_its_one_program(tmp_p
     vpp = ("--virtual-pipeline-model-parallel-size", "2")
     a = _trainer(2, 2, *vpp, "--use-distributed-optimizer")
     a.step()
-    state, _ = a.checkpoint_state()
+    state, _ = a.checkpointer.checkpoint_state(a.training_state())
     paths = a.ddp.param_paths
     for p, x, param in zip(paths, jax.tree.leaves(state["params"]), jax.tree.leaves(a.params)):
         assert x.shape[:2] == ((1, 4) if "layers" in p else param.shape[:2])
@@ -236,7 +237,7 @@ def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, old_f
     assert same.load(old)
     assert [same.step()["loss"] for _ in range(LATER)] == later
     other = _trainer(1, 4)
-    with pytest.raises(TrainingError, match=r"per device \(the format before 'global-v1'\).*"
+    with pytest.raises(CheckpointError, match=r"per device \(the format before 'global-v1'\).*"
                                             r"tensor_model_parallel_size=2, pipeline_model_parallel_size=2.*"
                                             r"now \(tensor_model_parallel_size=1, pipeline_model_parallel_size=4.*"
                                             r"--no-load-optim"):
@@ -247,7 +248,7 @@ def test_old_per_device_optimizer_format_loads_only_into_its_layout(saved, old_f
 
 def test_old_format_into_another_virtual_pipeline_size_is_refused(old_format):
     b = _trainer(2, 2, "--virtual-pipeline-model-parallel-size", "2")
-    with pytest.raises(TrainingError, match="virtual-pipeline-model-parallel-size None, now 2"):
+    with pytest.raises(CheckpointError, match="virtual-pipeline-model-parallel-size None, now 2"):
         b.load(old_format[0], load_optimizer=False)
 
 
@@ -266,7 +267,7 @@ def test_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path):
     with open(victim, "r+b") as f:
         f.truncate(1)
     b = _trainer(2, 2, "--use-distributed-optimizer")
-    with pytest.raises(TrainingError, match=f"no intact checkpoint \\(checkpoint step 3 skipped: {victim} has 1 bytes"):
+    with pytest.raises(CheckpointError, match=f"no intact checkpoint \\(checkpoint step 3 skipped: {victim} has 1 bytes"):
         b.load(copy)
 
 
@@ -286,7 +287,7 @@ def test_megatron_load_flags_ckpt_step_and_finetune_and_a_save_directory_ahead(t
     fresh_opt_state = _host(b.opt_state)
     assert b.load(directory, step=2) and (b.iteration, b.data.sampler.consumed_samples) == (2, 2 * 16)
     jax.tree.map(np.testing.assert_array_equal, _host(b.params), params_2)
-    with pytest.raises(TrainingError, match=r"--ckpt-step 5: no complete checkpoint 5 \(complete checkpoints: "
+    with pytest.raises(CheckpointError, match=r"--ckpt-step 5: no complete checkpoint 5 \(complete checkpoints: "
                                             r"\[2, 3\]\)"):
         b.load(directory, step=5)
     c = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
@@ -300,10 +301,10 @@ def test_megatron_load_flags_ckpt_step_and_finetune_and_a_save_directory_ahead(t
                   if f != "integrity.json"), key=os.path.getsize)
     with open(victim, "r+b") as f:
         f.truncate(1)
-    with pytest.raises(TrainingError, match=f"--ckpt-step 2: {victim} has 1 bytes"):
+    with pytest.raises(CheckpointError, match=f"--ckpt-step 2: {victim} has 1 bytes"):
         b.load(copy, step=2)
     d = _trainer(1, 1, "--use-distributed-optimizer", "--save", directory, devices=2)
-    with pytest.raises(TrainingError, match=f"--save {directory} already holds checkpoint 3, newer than this "
+    with pytest.raises(CheckpointError, match=f"--save {directory} already holds checkpoint 3, newer than this "
                                             r"run's start \(iteration 0\)"):
         d.train()
     assert d.iteration == 0 and checkpointing.complete_steps(directory) == [2, 3]
@@ -314,8 +315,8 @@ def test_megatron_load_flags_ckpt_step_and_finetune_and_a_save_directory_ahead(t
     with open(victim, "r+b") as f:
         f.truncate(1)
     e = _trainer(1, 1, "--use-distributed-optimizer", "--load", damaged, "--save", damaged, devices=2)
-    assert e.load(damaged) and e.iteration == 2 and len(e.skipped_checkpoints) == 1
-    with pytest.raises(TrainingError, match=f"--save {damaged} holds checkpoint 3, newer than iteration 2 this run "
+    assert e.load(damaged) and e.iteration == 2 and len(e.checkpointer.skipped_checkpoints) == 1
+    with pytest.raises(CheckpointError, match=f"--save {damaged} holds checkpoint 3, newer than iteration 2 this run "
                                             f"resumed from, but damaged \\(skipped at --load\\): move it out"):
         e.train()
 
@@ -324,11 +325,11 @@ def test_no_save_optim_checkpoint_holds_the_params_only(tmp_path):
     directory = str(tmp_path / "ckpt")
     a = _trainer(1, 1, "--use-distributed-optimizer", "--no-save-optim", devices=2)
     a.step()
-    assert set(a.checkpoint_state()[0]) == {"params"}  # the optimizer state is not even gathered
+    assert set(a.checkpointer.checkpoint_state(a.training_state())[0]) == {"params"}  # no optimizer state gathered
     a.save(directory)
     assert checkpointing.load_metadata(directory)["optimizer_saved"] is False
     b = _trainer(1, 1, "--use-distributed-optimizer", devices=2)
-    with pytest.raises(TrainingError, match="saved without its optimizer state \\(--no-save-optim\\): pass "
+    with pytest.raises(CheckpointError, match="saved without its optimizer state \\(--no-save-optim\\): pass "
                                             "--no-load-optim"):
         b.load(directory)
     assert b.load(directory, load_optimizer=False) and b.iteration == 1
@@ -343,16 +344,16 @@ def test_a_save_directory_of_another_model_is_refused_before_the_first_step(tmp_
     a.step(), a.step()
     a.save(other)
     b = _trainer(1, 1, "--save", other, "--save-interval", "1", devices=2)
-    with pytest.raises(TrainingError, match=f"--save {other} holds checkpoint 2 of a different model: "
+    with pytest.raises(CheckpointError, match=f"--save {other} holds checkpoint 2 of a different model: "
                                             r"hidden_size=32 \(now 64\): this run's saves would rotate it away"):
         b.train()
     assert b.iteration == 0 and checkpointing.complete_steps(other) == [2]
-    assert b.foreign_checkpoint(other).startswith("checkpoint 2 of a different model")
+    assert b.checkpointer.foreign_checkpoint(other).startswith("checkpoint 2 of a different model")
     same = _trainer(1, 1, "--hidden-size", "32", devices=2)  # the same model, another run
-    assert same.foreign_checkpoint(other, other_runs=False) is None
-    assert same.foreign_checkpoint(other) == f"checkpoint 2 of another run of this model (run {a.run_id}, this run " \
-                                             f"{same.run_id})"
-    assert same.load(other) and same.foreign_checkpoint(other) is None  # a resume is that run: its own checkpoints
+    assert same.checkpointer.foreign_checkpoint(other, other_runs=False) is None
+    assert same.checkpointer.foreign_checkpoint(other) == f"checkpoint 2 of another run of this model (run {a.checkpointer.run_id}, this run " \
+                                             f"{same.checkpointer.run_id})"
+    assert same.load(other) and same.checkpointer.foreign_checkpoint(other) is None  # a resume is that run: its own checkpoints
 
 
 def test_a_save_directory_of_another_run_of_the_model_is_refused(tmp_path):
@@ -367,9 +368,9 @@ def test_a_save_directory_of_another_run_of_the_model_is_refused(tmp_path):
     a.step(), a.step()
     a.save(mine)
     resumed = _trainer(1, 1, "--save", theirs, devices=2)
-    assert resumed.load(mine) and resumed.run_id == a.run_id != b.run_id
-    with pytest.raises(TrainingError, match=f"--save {theirs} holds checkpoint 1 of another run of this model "
-                                            f"\\(run {b.run_id}, this run {a.run_id}\\): this run's saves would "
+    assert resumed.load(mine) and resumed.checkpointer.run_id == a.checkpointer.run_id != b.checkpointer.run_id
+    with pytest.raises(CheckpointError, match=f"--save {theirs} holds checkpoint 1 of another run of this model "
+                                            f"\\(run {b.checkpointer.run_id}, this run {a.checkpointer.run_id}\\): this run's saves would "
                                             "rotate it away"):
         resumed.check_save_directory()
     meta = os.path.join(theirs, "1", checkpointing.META_ITEM, "metadata")
@@ -387,7 +388,7 @@ def test_a_resume_with_another_seed_is_refused_and_a_finetune_is_not(tmp_path):
     a.step()
     a.save(directory)
     b = _trainer(1, 1, "--seed", "7", devices=2)
-    with pytest.raises(TrainingError, match=f"--seed 7 differs from the seed of checkpoint 1 in {directory} "
+    with pytest.raises(CheckpointError, match=f"--seed 7 differs from the seed of checkpoint 1 in {directory} "
                                             r"\(1234\): .* Pass --seed 1234 to resume, or --finetune"):
         b.load(directory)
     assert b.load(directory, finetune=True) and b.iteration == 0

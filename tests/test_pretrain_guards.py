@@ -13,6 +13,7 @@ from pretrain_harness import TINY
 
 from core import checkpointing
 from core import parallel_state as ps
+from core.checkpointing.checkpointer import CheckpointError
 from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer, TrainingError
 
@@ -52,8 +53,8 @@ def test_full_disk_is_one_clear_error_and_the_previous_checkpoint_stays(tmp_path
         t.step()
         t.save(str(disk / "ckpt"))
         t.step()
-        with pytest.raises(TrainingError, match=r"cannot write checkpoint 3 to .*No space left on device.*"
-                                                r"the earlier checkpoints are intact"):
+        with pytest.raises(CheckpointError, match=r"cannot write checkpoint 3 to .*No space left on device.*"
+                                                  r"the earlier checkpoints are intact"):
             t.save(str(disk / "ckpt"))
         assert checkpointing.latest_valid_step(disk / "ckpt") == (2, [])
     finally:
@@ -93,7 +94,7 @@ def test_spiky_loss_factor_must_exceed_one():
 
 def test_a_write_error_names_the_os_reason_even_mid_message():
     # tensorstore can report ENOSPC mid-message, before a long JSON spec that the one-line cut drops.
-    from core.training.pretrainer import _write_error
+    from core.checkpointing.checkpointer import write_error_line as _write_error
 
     error = ValueError('RESOURCE_EXHAUSTED: Error writing "x/.zarray": Failed to write 9 bytes to file 25: No space '
                        'left on device [os_error_code=\'28\'] ' + '{"spec": 0} ' * 100)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from core.checkpointing.checkpointer import CheckpointConfig
     from core.data.tokenizers import MegatronTokenizer
     from core.models.gpt import GPTConfig
 
@@ -710,3 +711,15 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
         bf16=args.bf16,
         unroll_layers=not args.scan_layers, moe=moe_config(args),
         moe_layer_freq=1 if args.moe_layer_freq is None else args.moe_layer_freq)
+
+
+def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    """The checkpoint flags as a :class:`~core.checkpointing.checkpointer.CheckpointConfig`."""
+    from core.checkpointing.checkpointer import CheckpointConfig
+
+    return CheckpointConfig(
+        save=args.save, load=getattr(args, "load", None), save_interval=getattr(args, "save_interval", None),
+        async_save=bool(getattr(args, "async_save", False)),
+        async_save_writer=getattr(args, "async_save_writer", None),
+        save_optim=not getattr(args, "no_save_optim", False), load_optim=not getattr(args, "no_load_optim", False),
+        ckpt_step=getattr(args, "ckpt_step", None), finetune=bool(getattr(args, "finetune", False)))

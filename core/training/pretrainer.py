@@ -24,10 +24,8 @@ saved.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
 import time
@@ -42,8 +40,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core import checkpointing
-from core.checkpointing.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
+from core.checkpointing.checkpointer import Checkpointer, TrainingState, first_line
 from core.context_parallel import reorder_for_cp
 from core.data import (
     ByteTokenizer,
@@ -66,6 +63,7 @@ from core.optimizer.optimizer_config import OptimizerConfig
 from core.parallel_state import CP_AXIS, ParallelState
 from core.training.arguments import (
     ParallelLayout,
+    checkpoint_config,
     data_source,
     lr_decay_iters,
     lr_warmup_iters,
@@ -79,38 +77,14 @@ from core.training.profiling import StepProfiler
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 from core.training.train_step import make_train_step
 
-# The checkpoint's optimizer state is the layout-independent form (parameter-shaped Adam moments
-# and masters of global shape); checkpoints without this marker hold the per-device state.
-OPTIMIZER_FORMAT = "global-v1"
-
 
 class TrainingError(RuntimeError):
     """Training cannot go on (NaN loss, unusable checkpoint); reported as one line."""
 
 
-def _first_line(error: BaseException, limit: int = 400) -> str:
-    """An exception's message as one line of at most ``limit`` characters: its start and its end,
-    where orbax puts the reason (``... No space left on device``)."""
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return line if len(line) <= limit else f"{line[:limit // 3]} ... {line[-(limit - limit // 3 - 5):]}"
-
-
 def describe_error(error: BaseException) -> str:
     """An unexpected exception as one line: its type and the first line of its message."""
-    return f"{type(error).__name__}: {_first_line(error)}" if str(error).strip() else type(error).__name__
-
-
-_OS_REASONS = ("No space left on device", "Permission denied", "Read-only file system", "Disk quota exceeded")
-"""Reasons a checkpoint write fails that the message must name even when the error's text is long."""
-
-
-def _write_error(error: BaseException) -> str:
-    """A failed checkpoint write as one line: the OS reason first when the error's text holds
-    one (tensorstore may put it mid-message, before a long spec that :func:`_first_line` cuts),
-    then the error's first line."""
-    text = str(error)
-    reason = next((r for r in _OS_REASONS if r in text), None)
-    return f"{reason}: {_first_line(error)}" if reason else _first_line(error)
+    return f"{type(error).__name__}: {first_line(error)}" if str(error).strip() else type(error).__name__
 
 
 def learning_rate_schedule(args: argparse.Namespace) -> optax.Schedule:
@@ -376,13 +350,9 @@ class Pretrainer:
         self.optimizer_config = OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                     adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad)
         self.ddp = DistributedDataParallel(state, ddp_config, self.model)
-        self.logger = logger
+        self._logger = logger
         self._peak = None
         self.iteration = 0
-        self.skipped_checkpoints: list[str] = []
-        self.run_id = checkpointing.new_run_id()
-        """This run's identifier, recorded in its checkpoints; a resume takes the checkpoint's
-        (``--finetune`` starts a new run), so a run's checkpoints share one across restarts."""
         signal_name = args.exit_signal if getattr(args, "exit_signal_handler", False) else None
         minutes = getattr(args, "exit_duration_in_mins", None)
         self.exit_conditions = ExitConditions(state.mesh, signal_name, None if minutes is None else minutes * 60) \
@@ -391,16 +361,13 @@ class Pretrainer:
         either): checked every iteration by :meth:`train`, which saves and stops where every
         process agrees; its ``reason`` says why a run stopped early (0: it did not). The signal
         is caught and the time budget counted from here."""
-        self._saver: checkpointing.CheckpointSaver | None = None
-        self._save_in_flight: int | None = None  # the iteration of an asynchronous save not yet committed
-        self.saving: int | None = None
-        """The iteration whose checkpoint :meth:`save` is writing (synchronous) or dispatching, else None."""
-        self._checkpoint_copy: Callable | None = None
-        self._checkpoint_records: str | None = None  # the layout and model records, as JSON (constant)
         self.params = self.ddp.init(jax.random.key(args.seed),
                                     jnp.zeros((args.micro_batch_size, args.seq_length), jnp.int32))
         self.optimizer = get_megatron_optimizer(self.optimizer_config, [self.ddp], self.schedule)
         self.opt_state = self.optimizer.init_state(self.params)
+        self.checkpointer = Checkpointer(checkpoint_config(args), self.config, layout, self.ddp, self.optimizer,
+                                         args.seed, logger)
+        """The run's checkpoints (:class:`~core.checkpointing.checkpointer.Checkpointer`)."""
         self.moe_state = self._init_moe_state()
         """The model's non-trainable MoE state (``{"expert_bias": [vpp, pp * n_moe, E]}``), None
         without ``--moe-router-enable-expert-bias``: updated after every optimizer step, checkpointed."""
@@ -508,296 +475,45 @@ class Pretrainer:
         return self.collect([pending], time.perf_counter() - t)[0]
 
     # -- checkpoints -----------------------------------------------------------------------
-    def model_record(self) -> dict[str, Any]:
-        """The model fields a checkpoint must match: those that shape the parameters (numerics
-        and execution choices such as bf16, SP, recompute or dropout may change on resume)."""
-        record = dataclasses.asdict(self.config)
-        for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
-                      "hidden_dropout", "context_parallel_size", "cp_comm_type"):
-            record.pop(field)
-        if record["moe"] is not None:  # an execution choice, as the ones above
-            record["moe"].pop("moe_grouped_gemm_implementation")
-        if isinstance(record["moe_layer_freq"], tuple):  # as the JSON metadata reads back
-            record["moe_layer_freq"] = list(record["moe_layer_freq"])
-        return record
-
-    def layout_record(self) -> dict[str, Any]:
-        """The layout a checkpoint was written in (informational: any layout loads it)."""
-        return {"tensor_model_parallel_size": self.layout.tensor_model_parallel_size,
-                "pipeline_model_parallel_size": self.layout.pipeline_model_parallel_size,
-                "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
-                "data_parallel_size": self.layout.data_parallel_size,
-                "context_parallel_size": self.layout.context_parallel_size,
-                "use_distributed_optimizer": bool(self.args.use_distributed_optimizer),
-                "num_devices": int(self.state.mesh.devices.size)}
-
-    def checkpoint_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(state, metadata)`` as a checkpoint stores them: params, the optimizer state in the
-        layout-independent form
-        (:meth:`~core.optimizer.MegatronOptimizer.state_to_global`; not with
-        ``--no-save-optim``) and the
-        MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
-        data position, seed, layout and model shape. The arrays are new ones, computed by one
-        jitted program (dispatched, not waited for): the next training step may update or donate
-        the trainer's own."""
-        if self._checkpoint_records is None:  # built once: an async save's blocking part is on the step loop
-            self._checkpoint_records = json.dumps({"layout": self.layout_record(), "model": self.model_record()})
-        meta = {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
-                "seed": self.args.seed, "run_id": self.run_id, **json.loads(self._checkpoint_records),
-                "optimizer_format": OPTIMIZER_FORMAT,
-                "optimizer_saved": self._saves_optimizer}
-        if self._checkpoint_copy is None:
-            self._checkpoint_copy = self._make_checkpoint_copy()
-        state = self._checkpoint_copy(self.params, self.opt_state, self.moe_state)
-        if self.moe_state is None:
-            del state["moe_state"]
-        return state, meta
-
-    def _make_checkpoint_copy(self) -> Callable:
-        """The jitted program of :meth:`checkpoint_state`'s arrays, layers in checkpoint order
-        (vpp-independent; the MoE state is stacked per MoE layer like the layers)."""
-        # The params' copy split over the data-parallel ranks too, as the optimizer state's global
-        # form is: a save holds 1/dp of params + Adam state per device (orbax writes any sharding).
-        split = jax.tree.map(self.ddp.checkpoint_sharding, self.params)
-
-        def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-            state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split), "moe_state": moe_state}
-            if self._saves_optimizer:
-                state["opt_state"] = self.optimizer.state_to_global(opt_state)
-            return state
-
-        def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-            # A real copy of the inputs; XLA elides it for what the program computes (the
-            # optimizer state's global form), so that is not copied a second time.
-            state = jax.tree.map(jnp.copy, gather(params, opt_state, moe_state))
-            state["moe_state"] = jax.tree.map(merge_chunks, state["moe_state"])
-            return map_layer_leaves(merge_chunks, state, self.ddp.param_paths)
-
-        if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
-            return jax.jit(copy)  # merge_chunks is the identity
-        # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
-        shardings = {"params": split, "moe_state": jax.tree.map(lambda x: x.sharding, self.moe_state)}
-        if self._saves_optimizer:
-            shardings["opt_state"] = jax.tree.map(lambda x: x.sharding, self.optimizer.global_state_abstract())
-        return jax.jit(copy, out_shardings=shardings)
-
     @property
-    def _saves_optimizer(self) -> bool:
-        """Whether checkpoints hold the optimizer state (not with ``--no-save-optim``)."""
-        return not getattr(self.args, "no_save_optim", False)
+    def logger(self) -> TrainingLogger | None:
+        """Rank 0's logger (None elsewhere); the checkpointer's save lines go to it too."""
+        return self._logger
 
-    def save(self, directory: str) -> None:
-        """Checkpoint :meth:`checkpoint_state` as this iteration (atomic). With ``--async-save``
-        this returns once an on-device copy of the values is dispatched (the previous save, if
-        still in flight, is waited for first, and its error raised); the writer process (or
-        thread, ``--async-save-writer``) writes and commits; :meth:`finish_saving` waits for the
-        last one. Raises :class:`TrainingError` naming the iteration whose checkpoint could not
-        be written (earlier checkpoints stay intact). A checkpoint is logged as saved only once
-        it is committed."""
-        self.saving = self.iteration
-        writer = self.args.async_save_writer
-        if self._saver is None or self._saver.directory != os.path.abspath(directory) or (
-                writer is not None and self._saver.writer != writer):
-            self.finish_saving()
-            self._saver = checkpointing.CheckpointSaver(directory, writer=writer)
-        self._saver.async_save = bool(self.args.async_save)
-        self._wait_for_save()  # the previous save's copy is freed before this one is made
-        try:
-            state, meta = self.checkpoint_state()
-            self._saver.save(self.iteration, state, meta, copy=False)  # the state is a copy already
-        except (OSError, ValueError) as e:  # orbax reports a full disk as ValueError(RESOURCE_EXHAUSTED)
-            self._saver, self.saving = None, None
-            raise TrainingError(f"cannot write checkpoint {self.iteration} to {directory}: {_write_error(e)}; "
-                                "the earlier checkpoints are intact") from None
-        self.saving = None  # (still set when a KeyboardInterrupt leaves mid-save: the error line says so)
-        if self._saver.async_save:
-            self._save_in_flight = self.iteration
-            self._log(f" started an asynchronous save of checkpoint {self.iteration} to {directory}")
-        else:
-            self._log_saved(self.iteration, directory)
+    @logger.setter
+    def logger(self, logger: TrainingLogger | None) -> None:
+        self._logger = self.checkpointer.logger = logger
 
-    def _log(self, line: str) -> None:
-        if self.logger:
-            self.logger.print(line)
+    def training_state(self) -> TrainingState:
+        """The run's state as a checkpoint stores it."""
+        return TrainingState(self.iteration, self.data.sampler.consumed_samples, self.params, self.opt_state,
+                             self.moe_state)
 
-    def _log_saved(self, iteration: int, directory: str) -> None:
-        self._log(f" saved checkpoint at iteration {iteration:8d} to {directory}")
-
-    def _wait_for_save(self, close: bool = False) -> None:
-        """Wait for the asynchronous save in flight (if any) and log it as saved once committed;
-        :class:`TrainingError` naming its iteration if it failed. With ``close``, also stop the
-        saver's writer process."""
-        if self._saver is None:
-            return
-        step, directory = self._save_in_flight, self._saver.directory
-        try:
-            self._saver.close() if close else self._saver.wait()
-        except (OSError, ValueError) as e:
-            self._saver, self._save_in_flight = None, None
-            what = f"checkpoint {step}" if step is not None else "a checkpoint"
-            raise TrainingError(f"cannot write {what} to {directory}: {_write_error(e)}; "
-                                "the earlier checkpoints are intact") from None
-        self._save_in_flight = None
-        if step is not None:
-            self._log_saved(step, directory)
-
-    def poll_saving(self) -> None:
-        """Log (or raise the error of) an asynchronous save that has finished, without waiting
-        for one that has not (called where the loop reads back its values)."""
-        if self._save_in_flight is not None and self._saver is not None and self._saver.finished():
-            self._wait_for_save()
-
-    def finish_saving(self, close: bool = True) -> None:
-        """Wait for an asynchronous save in flight to be committed (a no-op otherwise); with
-        ``close``, also stop the checkpoint writer process (a later save starts a new one)."""
-        self._wait_for_save(close=close)
-        if close:
-            self._saver = None
+    def save(self, directory: str | None = None) -> None:
+        """Checkpoint this iteration to ``directory`` (default ``--save``): :meth:`Checkpointer.save
+        <core.checkpointing.checkpointer.Checkpointer.save>`."""
+        self.checkpointer.save(directory or self.args.save, self.training_state())
 
     def load(self, directory: str, load_optimizer: bool = True, step: int | None = None,
              finetune: bool = False) -> bool:
-        """Resume from the newest intact checkpoint in ``directory`` in this run's layout, whatever
-        the layout it was saved in; False if there is none yet. Newer checkpoints with a damaged
-        file are skipped and listed in ``skipped_checkpoints``; if every one is damaged,
-        :class:`TrainingError` names the files.
-
-        ``step`` (``--ckpt-step``): load that checkpoint, not the newest; :class:`TrainingError`
-        if it is missing, incomplete or damaged. ``finetune`` (``--finetune``): the parameters
-        only (no optimizer state), and the run starts at iteration 0 at the start of the data."""
-        load_optimizer = load_optimizer and not finetune
-        if step is None:
-            step, self.skipped_checkpoints = checkpointing.latest_valid_step(directory)
-            if step is None and self.skipped_checkpoints:
-                raise TrainingError(f"--load {directory}: no intact checkpoint ({'; '.join(self.skipped_checkpoints)})")
-            if step is None:
-                return False
-        else:
-            problem = checkpointing.step_problem(directory, step)
-            if problem is not None:
-                raise TrainingError(f"--load {directory} --ckpt-step {step}: {problem}")
-        meta = checkpointing.load_metadata(directory, step)
-        self._check_compatible(directory, meta, load_optimizer, finetune)
-        if meta.get("optimizer_format") == OPTIMIZER_FORMAT:  # any layout, any vpp
-            target = {"params": self.params}
-            if load_optimizer:
-                target["opt_state"] = self.optimizer.global_state_abstract()
-            target = map_layer_leaves(layer_order_target, target, self.ddp.param_paths)
-            if self.moe_state is not None:
-                target["moe_state"] = jax.tree.map(layer_order_target, self.moe_state)
-            restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
-            vpp = self.layout.virtual_pipeline_model_parallel_size or 1
-            restored = map_layer_leaves(lambda x: from_layer_order(x, vpp), restored, self.ddp.param_paths)
-            self.params = restored["params"]
-            if self.moe_state is not None:
-                self.moe_state = jax.tree.map(lambda x: from_layer_order(x, vpp), restored["moe_state"])
-            if load_optimizer:
-                self.opt_state = self.optimizer.state_from_global(restored["opt_state"])
-        else:  # the per-device format: the optimizer state only into its own layout
-            target = {"params": self.params, **({"opt_state": self.opt_state} if load_optimizer else {})}
-            restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
-            self.params = restored["params"]
-            if load_optimizer:
-                self.opt_state = restored["opt_state"]
-        if finetune:  # Megatron's --finetune: a new run from these weights
-            return True
-        self.run_id = meta.get("run_id", self.run_id)  # checkpoints from before run ids: this run adopts them
-        self.iteration = int(meta["iteration"])
-        position = {"consumed_samples": int(meta["consumed_samples"]), "seed": int(meta["seed"])}
-        self.data.sampler.load_state_dict(position)
+        """Resume from ``directory`` (:meth:`Checkpointer.load
+        <core.checkpointing.checkpointer.Checkpointer.load>`); False if it holds no checkpoint yet."""
+        restored = self.checkpointer.load(directory, self.training_state(), load_optimizer, step, finetune)
+        if restored is None:
+            return False
+        self.params, self.opt_state, self.moe_state = restored.params, restored.opt_state, restored.moe_state
+        if not finetune:
+            self.iteration = restored.iteration
+            self.data.sampler.load_state_dict({"consumed_samples": restored.consumed_samples, "seed": self.args.seed})
         return True
 
     def check_save_directory(self) -> None:
-        """Raise :class:`TrainingError` if ``--save`` holds a checkpoint of another model, one
-        newer than this run's current iteration (a save would then not be newer, and would fail
-        only when the run reaches it: a new run pointed at an old run's directory, or
-        ``--finetune`` writing where a run saved), or one of another run of this model: this
-        run's keep-last rotation would delete another model's or run's checkpoints
-        (:meth:`foreign_checkpoint`)."""
-        if not self.args.save:
-            return
-        other_model, other_run = self._foreign_checkpoints(self.args.save)  # one read of each step's metadata
-        self._refuse_foreign(other_model)
-        latest = checkpointing.latest_step(self.args.save)
-        if latest is not None and latest > self.iteration:
-            if self.skipped_checkpoints and self.args.load and os.path.abspath(self.args.load) == os.path.abspath(
-                    self.args.save):
-                raise TrainingError(
-                    f"--save {self.args.save} holds checkpoint {latest}, newer than iteration {self.iteration} this "
-                    f"run resumed from, but damaged (skipped at --load): move it out of {self.args.save} to save "
-                    "there again")
-            raise TrainingError(
-                f"--save {self.args.save} already holds checkpoint {latest}, newer than this run's start "
-                f"(iteration {self.iteration}): its saves would not be newer. Resume from it with --load "
-                f"{self.args.save} (without --finetune), or save elsewhere")
-        self._refuse_foreign(other_run)
+        """Refuse a ``--save`` directory this run must not write to, before the first step."""
+        self.checkpointer.check_save_directory(self.iteration)
 
-    def _refuse_foreign(self, foreign: str | None) -> None:
-        if foreign is not None:
-            raise TrainingError(
-                f"--save {self.args.save} holds {foreign}: this run's saves would rotate it away "
-                f"(the newest {checkpointing.DEFAULT_MAX_TO_KEEP} are kept). Save to another directory, or move "
-                "those checkpoints out")
-
-    def foreign_checkpoint(self, directory: str, other_runs: bool = True) -> str | None:
-        """None when every complete checkpoint in ``directory`` is this run's, else one phrase
-        naming one that is not: the newest of another model (the fields of :meth:`model_record`,
-        saved then this run's) or whose metadata cannot be read; else, with ``other_runs``, the
-        newest of another run of this model (another :attr:`run_id`; checkpoints written before
-        run ids are checked by their model only)."""
-        other_model, other_run = self._foreign_checkpoints(directory)
-        return other_model or (other_run if other_runs else None)
-
-    def _foreign_checkpoints(self, directory: str) -> tuple[str | None, str | None]:
-        """The phrases of :meth:`foreign_checkpoint`, (another model or unreadable, another run),
-        from one read of each step's metadata, newest first."""
-        other_run = None
-        for step in reversed(checkpointing.complete_steps(directory)):
-            try:
-                meta = checkpointing.load_metadata(directory, step)
-                diff = self._model_differences(meta["model"])
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-                return f"checkpoint {step}, whose metadata cannot be read ({_first_line(e)})", other_run
-            if diff:
-                return f"checkpoint {step} of a different model: {diff}", other_run
-            if other_run is None and meta.get("run_id", self.run_id) != self.run_id:
-                other_run = (f"checkpoint {step} of another run of this model (run {meta['run_id']}, this run "
-                             f"{self.run_id})")
-        return None, other_run
-
-    def _model_differences(self, saved: dict) -> str:
-        """The fields of :meth:`model_record` where ``saved`` differs, as ``name=saved (now
-        this run's)``; empty when none do."""
-        return ", ".join(f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items()
-                         if saved.get(k) != v)
-
-    def _check_compatible(self, directory: str, meta: dict, load_optimizer: bool, finetune: bool) -> None:
-        diff = self._model_differences(meta["model"])
-        if diff:
-            raise TrainingError(f"checkpoint {directory} holds a different model: {diff}")
-        if not finetune and int(meta["seed"]) != self.args.seed:
-            raise TrainingError(
-                f"--seed {self.args.seed} differs from the seed of checkpoint {meta['iteration']} in {directory} "
-                f"({meta['seed']}): a resumed run's data order and dropout follow the seed it started with. Pass "
-                f"--seed {meta['seed']} to resume, or --finetune to start a new run from these weights")
-        if load_optimizer and meta.get("optimizer_saved") is False:
-            raise TrainingError(f"checkpoint {meta['iteration']} in {directory} was saved without its optimizer "
-                                "state (--no-save-optim): pass --no-load-optim (or --finetune) to load its parameters")
-        # Checkpoints written before context parallelism existed were all cp=1.
-        old, new = {"context_parallel_size": 1, **meta["layout"]}, self.layout_record()
-        global_format = meta.get("optimizer_format") == OPTIMIZER_FORMAT
-        vpp_key = "virtual_pipeline_model_parallel_size"
-        if not global_format and old[vpp_key] != new[vpp_key]:
-            raise TrainingError(
-                f"checkpoint {directory} was saved with virtual-pipeline-model-parallel-size "
-                f"{old['virtual_pipeline_model_parallel_size']}, now {new['virtual_pipeline_model_parallel_size']}: "
-                "the stacked layer arrays differ; resume with the same --virtual-pipeline-model-parallel-size")
-        if load_optimizer and not global_format and old != new:
-            describe = lambda r: ", ".join(f"{k}={v}" for k, v in r.items())
-            raise TrainingError(
-                f"checkpoint {directory} stores its optimizer state per device (the format before "
-                f"'{OPTIMIZER_FORMAT}'), saved with layout ({describe(old)}), now ({describe(new)}): it loads only "
-                "into its own layout; pass --no-load-optim to load only the parameters (resharded) with a "
-                "fresh optimizer state")
+    def finish_saving(self, close: bool = True) -> None:
+        """Wait for an asynchronous save in flight to be committed; with ``close``, stop the writer."""
+        self.checkpointer.finish(close)
 
     # -- the loop ----------------------------------------------------------------------------
     @property
@@ -884,7 +600,7 @@ class Pretrainer:
     def _after_collect(self, record: dict[str, Any], stop: int) -> None:
         """Evaluate, log and save at an iteration whose values were just read back."""
         args, log, i = self.args, self.logger, self.iteration
-        self.poll_saving()
+        self.checkpointer.poll()
         if args.eval_interval and i % args.eval_interval == 0 and self.data.num_valid_samples:
             record["valid_loss"] = self.evaluate()
         if log:
@@ -893,10 +609,8 @@ class Pretrainer:
                 log.log_iteration(record, args.train_iters)
             if "valid_loss" in record:
                 self._log_validation(record["valid_loss"])
-        if args.save and args.save_interval and i % args.save_interval == 0:
-            self.save(args.save)
-        elif args.save and i == stop:
-            self.save(args.save)  # the final state
+        if self.checkpointer.due(i, stop):
+            self.save()
 
     def _log_validation(self, loss: float) -> None:
         self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
