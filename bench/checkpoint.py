@@ -53,14 +53,15 @@ def _trainer(model_flags: list[str], devices: int, extra: list[str]) -> Any:
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     args = parse_args([*model_flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--use-distributed-optimizer", "--train-iters", "1000", "--eval-interval", "100000",
                        "--no-progress-bar", *extra])
     layout = validate_args(args, devices)
-    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:devices]))
+    state = ps.build_parallel_state(1, 1, devices=jax.devices()[:devices])
+    return Pretrainer(pretrain_config(args, layout), layout, state)
 
 
 def _one_core_pool() -> None:

@@ -156,12 +156,13 @@ def megatron_num_samples(args: argparse.Namespace) -> list[int]:
 def indexed_data(prefixes: Sequence[str], trainer: Any, cache_dir: str) -> Any:
     """``launch/pretrain.py``'s data pipeline (``PretrainingData``) on the blend of ``prefixes``
     (weights :data:`BLEND_WEIGHTS`, ``--split`` :data:`SPLIT`, ByteLevel) for ``trainer``'s flags."""
-    from core.training.arguments import parse_args
-    from core.training.pretrainer import PretrainingData
+    from core.training.arguments import data_config, parse_args, training_config
+    from core.training.pretraining_data import PretrainingData
 
     data_path = [str(x) for pair in zip(BLEND_WEIGHTS, prefixes) for x in pair]
     flags = [*trainer.argv, "--data-path", *data_path, "--split", SPLIT, "--data-cache-path", cache_dir]
-    return PretrainingData(parse_args(flags), trainer.state)
+    args = parse_args(flags)
+    return PretrainingData(data_config(args), training_config(args), trainer.state)
 
 
 def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None = None) -> Any:
@@ -169,14 +170,14 @@ def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None =
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     devices = list(devices or jax.devices())
     args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--no-progress-bar", *argv])
     layout = validate_args(args, len(devices))
-    trainer = Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=devices))
+    trainer = Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=devices))
     trainer.argv = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *argv]
     return trainer
 
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                str(workdir / "cache"))
         build_s = time.perf_counter() - start
         times = loader_and_step_seconds(trainer, indexed, a.rounds)
-    args, n = trainer.args, jax.device_count()
+    args, n = trainer.training, jax.device_count()
     describe = {
         "megatron": f"indexed data (`PretrainingData.next_train_batch`): `BlendedDataset` "
                     f"{BLEND_WEIGHTS[0]}/{BLEND_WEIGHTS[1]} of 2 `GPTDataset`s, {args.global_batch_size} x "

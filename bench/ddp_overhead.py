@@ -49,14 +49,14 @@ def _trainer(a: argparse.Namespace):
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     flags = [*(GPT_1B if a.gpt_1b else SMALL), "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
              "1", "--train-iters", "1000", "--eval-interval", "1000000", "--lr", "3e-4", "--no-progress-bar"]
     args = parse_args(flags + (["--bf16"] if a.bf16 else []))
     layout = validate_args(args, 1)
-    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:1]))
+    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:1]))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -57,12 +57,12 @@ def _pretrain_flags(a: argparse.Namespace, world: int) -> list[str]:
 def package_step_times(a: argparse.Namespace, world: int):
     """Step times of this package's training loop, and its model."""
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     args = parse_args(_pretrain_flags(a, world))
     layout = validate_args(args, world)
-    trainer = Pretrainer(args, layout, ps.initialize_model_parallel(a.tp, a.pp))
+    trainer = Pretrainer(pretrain_config(args, layout), layout, ps.initialize_model_parallel(a.tp, a.pp))
     times = [trainer.step()["step_time_s"] for _ in range(a.warmup + a.steps)]
     return times[a.warmup:], trainer.config
 
@@ -101,14 +101,14 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     from core import parallel_state as ps
     from core.models.gpt import GPTModel
     from core.param_metadata import init_sharded_params
-    from core.training.arguments import model_config, parse_args, validate_args
-    from core.training.pretrainer import PretrainingData
+    from core.training.arguments import data_config, model_config, parse_args, training_config, validate_args
+    from core.training.pretraining_data import PretrainingData
     from core.training.train_step import mean_loss
 
     args = parse_args(_pretrain_flags(a, world))
     validate_args(args, world)
     state = ps.initialize_model_parallel(1, 1)
-    data = PretrainingData(args, state)  # the same batches as the package
+    data = PretrainingData(data_config(args), training_config(args), state)  # the package's batches
     model = GPTModel(model_config(args), state)
     mesh, axes = state.mesh, state.data_parallel_axis_name
     sample = jax.numpy.zeros((args.global_batch_size // world, args.seq_length), jax.numpy.int32)

@@ -102,7 +102,7 @@ def trainer(flags: list[str], devices: int) -> Any:
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     args = parse_args([*flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
@@ -111,7 +111,7 @@ def trainer(flags: list[str], devices: int) -> Any:
     layout = validate_args(args, devices)
     state = ps.build_parallel_state(1, 1, expert_model_parallel_size=layout.expert_model_parallel_size,
                                     devices=jax.devices()[:devices])
-    return Pretrainer(args, layout, state)
+    return Pretrainer(pretrain_config(args, layout), layout, state)
 
 
 def _one_step(t: Any) -> Any:
@@ -136,7 +136,7 @@ def _expert_load(t: Any) -> float:
     import numpy as np
 
     report = t.dispatch_step()["_metrics"]["report"]
-    counts = np.asarray(report["moe_tokens_per_expert"]).reshape(-1, t.args.num_experts)
+    counts = np.asarray(report["moe_tokens_per_expert"]).reshape(-1, t.config.moe.num_experts)
     return float((counts.max(axis=1) / counts.mean(axis=1)).max())
 
 

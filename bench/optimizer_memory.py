@@ -42,14 +42,15 @@ def measure(model_flags: list[str], dp: int, distributed: bool) -> dict[str, Any
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     args = parse_args([*model_flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--global-batch-size", str(8 * dp), "--train-iters", "10", "--no-progress-bar",
                        *(["--use-distributed-optimizer"] if distributed else [])])
     layout = validate_args(args, dp)
-    trainer = Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:dp]))
+    state = ps.build_parallel_state(1, 1, devices=jax.devices()[:dp])
+    trainer = Pretrainer(pretrain_config(args, layout), layout, state)
     batch = trainer.data.next_train_batch()
     device = trainer.ddp.mesh.devices.flat[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards

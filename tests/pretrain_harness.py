@@ -3,7 +3,7 @@
 import jax
 
 from core import parallel_state as ps
-from core.training.arguments import parse_args, validate_args
+from core.training.arguments import parse_args, pretrain_config, validate_args
 from core.training.pretrainer import Pretrainer
 
 # A model small enough to compile and run 10 iterations in seconds on 2 cores; head dim 16 and
@@ -33,7 +33,7 @@ def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
                                     expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices)
-    return Pretrainer(args, layout, state)
+    return Pretrainer(pretrain_config(args, layout), layout, state)
 
 
 def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:

@@ -40,7 +40,7 @@ def test_preprocessing_rows_and_loader_share(tmp_path):
     trainer = bench_data.default_pretrainer([*TINY, "--num-layers", "1", "--train-iters", "4"], jax.devices()[:2])
     indexed = bench_data.indexed_data([str(tmp_path / "ByteLevel_w1_text_document"), str(tmp_path / "p_text_document")],
                                       trainer, str(tmp_path / "cache"))
-    assert len(indexed.train_data) == trainer.args.train_iters * trainer.args.global_batch_size
+    assert len(indexed.train_data) == trainer.training.train_iters * trainer.training.global_batch_size
     batch = indexed.next_train_host_batch()
     assert {k: v.shape for k, v in batch.items()} == {k: (16, 32) for k in ("tokens", "labels", "loss_mask")}
     times = bench_data.loader_and_step_seconds(trainer, indexed, rounds=2, warmup=1)

@@ -95,14 +95,16 @@ def test_schedule_and_optimizer_flags_as_megatron_checks_them(flags, message):
 def test_schedule_defaults_fit_short_runs():
     """The default warm-up (10) ends before a shorter decay; the default --min-lr is --lr / 10, so a
     lower --lr alone is accepted (Megatron's own default warm-up is 0, its min-lr 0)."""
-    from core.training.arguments import lr_warmup_iters, min_lr
-    from core.training.pretrainer import learning_rate_schedule
+    from core.optimizer.optimizer_param_scheduler import SchedulerConfig, learning_rate_schedule
+    from core.training.arguments import lr_decay_iters, lr_warmup_iters, min_lr
 
     short = parse_args(["--train-iters", "4", "--lr", "1e-4"])
     assert (lr_warmup_iters(short), min_lr(short)) == (3, 1e-5)
     assert lr_warmup_iters(parse_args(["--train-iters", "100"])) == 10
     assert lr_warmup_iters(parse_args(["--train-iters", "1"])) == 0
-    schedule = learning_rate_schedule(short)
+    schedule = learning_rate_schedule(SchedulerConfig(lr=short.lr, min_lr=min_lr(short), lr_decay_style=short.lr_decay_style,
+                                                      lr_warmup_iters=lr_warmup_iters(short),
+                                                      lr_decay_iters=lr_decay_iters(short)))
     rates = [float(schedule(i)) for i in range(4)]
     assert rates[2] == pytest.approx(1e-4, rel=1e-6) and rates[0] < rates[1] < rates[2]  # warm-up ends at 3
     validate_args(parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",

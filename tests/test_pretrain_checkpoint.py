@@ -19,7 +19,7 @@ from core.checkpointing import saver
 from core.checkpointing.checkpointer import CheckpointError
 from core.checkpointing.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.optimizer import distrib_optimizer
-from core.training.arguments import parse_args, validate_args
+from core.training.arguments import parse_args, pretrain_config, validate_args
 from core.training.pretrainer import Pretrainer
 
 LATER = 5  # iterations run after the resume
@@ -32,7 +32,7 @@ def _trainer(tp, pp, *extra, devices=8):
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
                                     devices=jax.devices()[:devices])
-    return Pretrainer(args, layout, state)
+    return Pretrainer(pretrain_config(args, layout), layout, state)
 
 
 def _host(tree):

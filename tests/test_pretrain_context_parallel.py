@@ -12,8 +12,8 @@ from pretrain_harness import LLAMA, layout_records
 
 from core import parallel_state as ps
 from core.context_parallel import reorder_for_cp
-from core.training.arguments import parse_args, validate_args
-from core.training.pretrainer import PretrainingData
+from core.training.arguments import data_config, parse_args, training_config, validate_args
+from core.training.pretraining_data import PretrainingData
 
 ITERS = 10
 
@@ -80,7 +80,7 @@ def test_batches_are_reordered_and_split_over_cp():
                        "--context-parallel-size", "4"])
     layout = validate_args(args, 8)
     state = ps.build_parallel_state(1, 1, context_parallel_size=4, devices=jax.devices())
-    data = PretrainingData(args, state)
+    data = PretrainingData(data_config(args), training_config(args), state)
     host = data.next_train_host_batch()
     batch = data.to_global(host)
     assert set(batch) == {"tokens", "labels", "position_ids"} and layout.data_parallel_size == 2

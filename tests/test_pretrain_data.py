@@ -22,8 +22,17 @@ from core import parallel_state as ps
 from core.data import DataParallelSampler, IndexedDataset, load_corpus
 from core.data.gpt_dataset import get_ltor_masks_and_position_ids
 from core.data.indexed_dataset import _MAX_TOKEN_ID_CACHE, max_token_id
-from core.training.arguments import ArgumentError, data_source, parse_args, validate_args
-from core.training.pretrainer import BATCH_FIELDS, Pretrainer, PretrainingData, dropout_seeds
+from core.training.arguments import (
+    ArgumentError,
+    data_config,
+    data_source,
+    parse_args,
+    pretrain_config,
+    training_config,
+    validate_args,
+)
+from core.training.pretrainer import Pretrainer
+from core.training.pretraining_data import BATCH_FIELDS, PretrainingData, dropout_seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 PREPROCESS = ROOT / "tools" / "preprocess_data.py"
@@ -226,7 +235,8 @@ def test_max_token_id_is_cached_next_to_the_data(prefixes, tmp_path):
 
 def _data(flags, dropout=False):
     args = _validate(flags)
-    return args, PretrainingData(args, ps.build_parallel_state(1, 1, None), with_dropout_seed=dropout)
+    return args, PretrainingData(data_config(args), training_config(args), ps.build_parallel_state(1, 1, None),
+                                 with_dropout_seed=dropout)
 
 
 def test_indexed_batches_carry_megatrons_fields(bpe, prefixes):
@@ -299,7 +309,7 @@ def _trainer(bpe, prefixes, tp, pp, *extra):
                     "--train-iters", "6", *_data_flags(bpe, prefixes, *ALL_FIELDS), *extra]
     args = parse_args(flags)
     layout = validate_args(args, 8)
-    return Pretrainer(args, layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size))
+    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size))
 
 
 def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
@@ -313,7 +323,7 @@ def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
     later = [trainer.step()["loss"] for _ in range(3)]
     assert all(np.isfinite(first + later)) and later[-1] < first[0]
     # The compiled step is reused (a second trainer would compile it again, a minute on 2 cores).
-    trainer.data = PretrainingData(trainer.args, trainer.state)
+    trainer.data = PretrainingData(trainer.run_config.data, trainer.training, trainer.state)
     assert not trainer.data.train_data.datasets[0].built_anew_on_cache_miss
     assert trainer.load(str(tmp_path / "ckpt"))
     assert trainer.iteration == 3 and trainer.data.sampler.consumed_samples == 3 * 16
@@ -329,7 +339,7 @@ def _indexed_llama_losses(bpe, prefixes, tp, pp, devices, *extra):
     layout = validate_args(args, len(devices))
     state = ps.build_parallel_state(tp, pp, None, context_parallel_size=layout.context_parallel_size,
                                     devices=devices)
-    trainer = Pretrainer(args, layout, state)
+    trainer = Pretrainer(pretrain_config(args, layout), layout, state)
     return [trainer.step()["loss"] for _ in range(5)]
 
 
@@ -357,7 +367,8 @@ def test_document_mask_with_context_parallelism(bpe, prefixes, indexed_llama_ref
     args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                               *_data_flags(bpe, prefixes, *ALL_FIELDS)])
     validate_args(args, 1)
-    data = PretrainingData(args, ps.build_parallel_state(1, 1, None, devices=[jax.local_devices()[0]]))
+    data = PretrainingData(data_config(args), training_config(args),
+                           ps.build_parallel_state(1, 1, None, devices=[jax.local_devices()[0]]))
     assert (np.diff(data.next_train_host_batch()["segment_ids"], axis=1) > 0).sum() >= 4  # documents end inside
     losses = _indexed_llama_losses(bpe, prefixes, tp, 1, jax.devices()[:devices], "--context-parallel-size", "2",
                                    *extra)

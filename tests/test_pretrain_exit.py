@@ -13,7 +13,7 @@ from pretrain_harness import TINY
 
 from core import checkpointing
 from core import parallel_state as ps
-from core.training.arguments import parse_args, validate_args
+from core.training.arguments import parse_args, pretrain_config, validate_args
 from core.training.exit_conditions import DURATION_ELAPSED, SIGNAL_RECEIVED
 from core.training.pretrainer import Pretrainer
 
@@ -24,7 +24,7 @@ def _trainer(*extra):
     args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                               "--train-iters", str(ITERS), "--log-interval", "100", *extra])
     layout = validate_args(args, 2)
-    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 @pytest.fixture(scope="module")

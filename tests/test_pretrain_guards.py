@@ -14,7 +14,7 @@ from pretrain_harness import TINY
 from core import checkpointing
 from core import parallel_state as ps
 from core.checkpointing.checkpointer import CheckpointError
-from core.training.arguments import parse_args, validate_args
+from core.training.arguments import parse_args, pretrain_config, validate_args
 from core.training.pretrainer import Pretrainer, TrainingError
 
 ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
@@ -23,7 +23,7 @@ ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1
 def _trainer(*extra):
     args = parse_args([*TINY, *ONE, "--num-layers", "2", "--train-iters", "40", *extra])
     layout = validate_args(args, 2)
-    return Pretrainer(args, layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 def _poison(params):

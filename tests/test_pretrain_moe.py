@@ -126,7 +126,7 @@ def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
     from pretrain_harness import TINY
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     flags = ["--num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
@@ -138,7 +138,8 @@ def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
                                   "--expert-model-parallel-size", str(ep), "--context-parallel-size", str(cp)])
         state = ps.build_parallel_state(1, 1, context_parallel_size=cp, expert_model_parallel_size=ep,
                                         devices=jax.devices())
-        return Pretrainer(args, validate_args(args, 8), state)
+        layout = validate_args(args, 8)
+        return Pretrainer(pretrain_config(args, layout), layout, state)
 
     first = trainer(2, 2)
     assert set(first.params["layers"]) == {"dense", "moe"}

@@ -115,7 +115,7 @@ def test_bf16_train_step_adds_no_rows_in_bf16(layout):
     """The whole bf16 training step of ``launch/pretrain.py`` (model, schedule, grad sync, Adam)
     lowered on 2 devices has no bf16 scatter-add: the embedding's and the MoE layer's were 200x
     and 100x slower than their fp32 / gathered forms on an H100 (docs/gpu-performance.md)."""
-    from core.training.arguments import parse_args, validate_args
+    from core.training.arguments import parse_args, pretrain_config, validate_args
     from core.training.pretrainer import Pretrainer
 
     args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -125,7 +125,7 @@ def test_bf16_train_step_adds_no_rows_in_bf16(layout):
     shape = validate_args(args, 2)
     state = ps.build_parallel_state(shape.tensor_model_parallel_size, shape.pipeline_model_parallel_size,
                                     context_parallel_size=shape.context_parallel_size, devices=jax.devices()[:2])
-    trainer = Pretrainer(args, shape, state)
+    trainer = Pretrainer(pretrain_config(args, shape), shape, state)
     hlo = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch()).as_text(
         dialect="hlo")
     assert "all-reduce" in hlo or "collective-permute" in hlo  # the program is the distributed step

@@ -11,7 +11,7 @@ import pytest
 from pretrain_harness import TINY
 
 from core import parallel_state as ps
-from core.training.arguments import ArgumentError, parse_args, validate_args
+from core.training.arguments import ArgumentError, parse_args, pretrain_config, validate_args
 from core.training.pretrainer import Pretrainer
 from core.training.profile_summary import (
     CATEGORIES,
@@ -29,7 +29,8 @@ ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1
 
 def _trainer(*extra: str) -> Pretrainer:
     args = parse_args([*TINY, *ONE, "--log-interval", "1", *extra])
-    return Pretrainer(args, validate_args(args, 2), ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    layout = validate_args(args, 2)
+    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 def test_logged_step_times_add_up_to_the_loop_time():

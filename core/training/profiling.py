@@ -4,19 +4,20 @@ of ``--profile-ranks``, written under ``--profile-dir`` (TensorBoard / XProf / P
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
+
+from core.training.config import ProfileConfig
 
 
 class StepProfiler:
     """Starts the trace before iteration ``start + 1`` and stops it once iteration ``end`` has run
     (Megatron: ``--profile-step-start 10 --profile-step-end 12`` traces two steps)."""
 
-    def __init__(self, args: argparse.Namespace, rank: int):
-        self.enabled = args.profile and rank in args.profile_ranks
-        self.start, self.end, self.directory = args.profile_step_start, args.profile_step_end, args.profile_dir
+    def __init__(self, config: ProfileConfig, rank: int):
+        self.enabled = config.profile and rank in config.profile_ranks
+        self.start, self.end, self.directory = config.profile_step_start, config.profile_step_end, config.profile_dir
         self.active = False
 
     def before_step(self, iteration: int, in_flight: list) -> None:
