@@ -53,8 +53,9 @@ def _trainer(model_flags: list[str], devices: int, extra: list[str]) -> Any:
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     args = parse_args([*model_flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--use-distributed-optimizer", "--train-iters", "1000", "--eval-interval", "100000",

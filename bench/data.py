@@ -156,8 +156,9 @@ def megatron_num_samples(args: argparse.Namespace) -> list[int]:
 def indexed_data(prefixes: Sequence[str], trainer: Any, cache_dir: str) -> Any:
     """``launch/pretrain.py``'s data pipeline (``PretrainingData``) on the blend of ``prefixes``
     (weights :data:`BLEND_WEIGHTS`, ``--split`` :data:`SPLIT`, ByteLevel) for ``trainer``'s flags."""
-    from core.training.arguments import data_config, parse_args, training_config
+    from core.training.arguments import parse_args
     from core.training.pretraining_data import PretrainingData
+    from core.training.run_config import data_config, training_config
 
     data_path = [str(x) for pair in zip(BLEND_WEIGHTS, prefixes) for x in pair]
     flags = [*trainer.argv, "--data-path", *data_path, "--split", SPLIT, "--data-cache-path", cache_dir]
@@ -170,8 +171,9 @@ def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None =
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     devices = list(devices or jax.devices())
     args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",

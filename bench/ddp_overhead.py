@@ -49,8 +49,9 @@ def _trainer(a: argparse.Namespace):
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     flags = [*(GPT_1B if a.gpt_1b else SMALL), "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
              "1", "--train-iters", "1000", "--eval-interval", "1000000", "--lr", "3e-4", "--no-progress-bar"]

@@ -57,8 +57,9 @@ def _pretrain_flags(a: argparse.Namespace, world: int) -> list[str]:
 def package_step_times(a: argparse.Namespace, world: int):
     """Step times of this package's training loop, and its model."""
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     args = parse_args(_pretrain_flags(a, world))
     layout = validate_args(args, world)
@@ -101,8 +102,9 @@ def pmean_step_times(a: argparse.Namespace, world: int):
     from core import parallel_state as ps
     from core.models.gpt import GPTModel
     from core.param_metadata import init_sharded_params
-    from core.training.arguments import data_config, model_config, parse_args, training_config, validate_args
+    from core.training.arguments import model_config, parse_args, validate_args
     from core.training.pretraining_data import PretrainingData
+    from core.training.run_config import data_config, training_config
     from core.training.train_step import mean_loss
 
     args = parse_args(_pretrain_flags(a, world))

@@ -102,8 +102,9 @@ def trainer(flags: list[str], devices: int) -> Any:
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     args = parse_args([*flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--train-iters", "100000", "--eval-interval", "100000000", "--lr", "1e-4", "--min-lr", "1e-5",

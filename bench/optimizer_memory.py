@@ -42,8 +42,9 @@ def measure(model_flags: list[str], dp: int, distributed: bool) -> dict[str, Any
     import jax
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     args = parse_args([*model_flags, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--global-batch-size", str(8 * dp), "--train-iters", "10", "--no-progress-bar",

@@ -171,9 +171,9 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
     from core import checkpointing
     from core import parallel_state as ps
     from core.runtime.cpu_threads import release_cpu_affinity
-    from core.training.arguments import pretrain_config
     from core.training.compilation_cache import default_cache_dir, enable_compilation_cache
     from core.training.pretrainer import Pretrainer, TrainingError
+    from core.training.run_config import pretrain_config
     from core.training.train_logging import TrainingLogger
 
     if not args.no_compilation_cache:

@@ -29,7 +29,7 @@ def _inject(where: str) -> None:
         original = pretrainer.PretrainingData.next_train_host_batch
 
         def read(self):
-            if self.sampler.consumed_samples // self.args.global_batch_size == FAILING_ITERATION - 1:
+            if self.sampler.consumed_samples // self.training.global_batch_size == FAILING_ITERATION - 1:
                 raise OSError(errno.EIO, "Input/output error", "/data/shard-00007.bin")
             return original(self)
 

@@ -3,8 +3,9 @@
 import jax
 
 from core import parallel_state as ps
-from core.training.arguments import parse_args, pretrain_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer
+from core.training.run_config import pretrain_config
 
 # A model small enough to compile and run 10 iterations in seconds on 2 cores; head dim 16 and
 # seq 32 so that on CPU attention runs the fused C++ kernel (core/fusions/) in every layout.

@@ -19,8 +19,9 @@ from core.checkpointing import saver
 from core.checkpointing.checkpointer import CheckpointError
 from core.checkpointing.layer_order import from_layer_order, map_layer_leaves, to_layer_order
 from core.optimizer import distrib_optimizer
-from core.training.arguments import parse_args, pretrain_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer
+from core.training.run_config import pretrain_config
 
 LATER = 5  # iterations run after the resume
 

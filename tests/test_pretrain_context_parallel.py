@@ -12,8 +12,9 @@ from pretrain_harness import LLAMA, layout_records
 
 from core import parallel_state as ps
 from core.context_parallel import reorder_for_cp
-from core.training.arguments import data_config, parse_args, training_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.pretraining_data import PretrainingData
+from core.training.run_config import data_config, training_config
 
 ITERS = 10
 

@@ -22,17 +22,10 @@ from core import parallel_state as ps
 from core.data import DataParallelSampler, IndexedDataset, load_corpus
 from core.data.gpt_dataset import get_ltor_masks_and_position_ids
 from core.data.indexed_dataset import _MAX_TOKEN_ID_CACHE, max_token_id
-from core.training.arguments import (
-    ArgumentError,
-    data_config,
-    data_source,
-    parse_args,
-    pretrain_config,
-    training_config,
-    validate_args,
-)
+from core.training.arguments import ArgumentError, data_source, parse_args, validate_args
 from core.training.pretrainer import Pretrainer
 from core.training.pretraining_data import BATCH_FIELDS, PretrainingData, dropout_seeds
+from core.training.run_config import data_config, pretrain_config, training_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PREPROCESS = ROOT / "tools" / "preprocess_data.py"

@@ -13,8 +13,9 @@ from pretrain_harness import TINY
 
 from core import parallel_state as ps
 from core.data import IndexedDatasetBuilder, load_corpus
-from core.training.arguments import parse_args, pretrain_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer
+from core.training.run_config import pretrain_config
 
 pytestmark = pytest.mark.mpi(min_size=8)
 

@@ -13,9 +13,10 @@ from pretrain_harness import TINY
 
 from core import checkpointing
 from core import parallel_state as ps
-from core.training.arguments import parse_args, pretrain_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.exit_conditions import DURATION_ELAPSED, SIGNAL_RECEIVED
 from core.training.pretrainer import Pretrainer
+from core.training.run_config import pretrain_config
 
 ITERS = 8
 

@@ -14,8 +14,9 @@ from pretrain_harness import TINY
 from core import checkpointing
 from core import parallel_state as ps
 from core.checkpointing.checkpointer import CheckpointError
-from core.training.arguments import parse_args, pretrain_config, validate_args
+from core.training.arguments import parse_args, validate_args
 from core.training.pretrainer import Pretrainer, TrainingError
+from core.training.run_config import pretrain_config
 
 ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 

@@ -126,8 +126,9 @@ def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
     from pretrain_harness import TINY
 
     from core import parallel_state as ps
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     flags = ["--num-layers", "2", "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
              "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "0.01"]

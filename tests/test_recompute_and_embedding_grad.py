@@ -115,8 +115,9 @@ def test_bf16_train_step_adds_no_rows_in_bf16(layout):
     """The whole bf16 training step of ``launch/pretrain.py`` (model, schedule, grad sync, Adam)
     lowered on 2 devices has no bf16 scatter-add: the embedding's and the MoE layer's were 200x
     and 100x slower than their fp32 / gathered forms on an H100 (docs/gpu-performance.md)."""
-    from core.training.arguments import parse_args, pretrain_config, validate_args
+    from core.training.arguments import parse_args, validate_args
     from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
 
     args = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
                        "--micro-batch-size", "2", "--global-batch-size", "4", "--bf16", "--train-iters", "2",

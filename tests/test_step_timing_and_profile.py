@@ -11,7 +11,7 @@ import pytest
 from pretrain_harness import TINY
 
 from core import parallel_state as ps
-from core.training.arguments import ArgumentError, parse_args, pretrain_config, validate_args
+from core.training.arguments import ArgumentError, parse_args, validate_args
 from core.training.pretrainer import Pretrainer
 from core.training.profile_summary import (
     CATEGORIES,
@@ -23,6 +23,7 @@ from core.training.profile_summary import (
     source_of,
     summarize,
 )
+from core.training.run_config import pretrain_config
 
 ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
 

@@ -45,6 +45,9 @@ import numpy as np
 
 from core.runtime import cluster
 
+_WRITER_MAIN = "import sys; from core.checkpointing.writer_process import main; main(sys.argv[1:])"
+"""The writer process's program (``python -c``)."""
+
 WRITER_NICE = 19
 """The writer process's nice value on the CPU backend (Linux): it takes the cycles the steps leave."""
 
@@ -237,7 +240,9 @@ class WriterProcess:
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(jax.local_device_count()),
                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(core.__file__)),
                                                             os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "core.checkpointing.writer_process", str(child.fileno()),
+        # Started through -c, not -m: running the module as __main__ would import it twice (the
+        # package imports it first), and unpickled messages must name this module's classes.
+        command = [sys.executable, "-c", _WRITER_MAIN, str(child.fileno()),
                    coordinator_address or "", str(jax.process_count()), str(jax.process_index()),
                    "1" if lowest_priority else "0"]
         self._process = subprocess.Popen(command, pass_fds=[child.fileno()], env=env)
@@ -488,7 +493,7 @@ def _serve(sock: socket.socket, processes: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """The writer process: ``python -m core.checkpointing.writer_process FD ADDRESS PROCESSES INDEX NICE``."""
+    """The writer process (:data:`_WRITER_MAIN`'s arguments: ``FD ADDRESS PROCESSES INDEX NICE``)."""
     start = time.perf_counter()
     _die_with_parent()
     # A scheduler's warning signal (or Ctrl-C) reaches the whole job, this process too: it must
@@ -510,7 +515,3 @@ def main(argv: list[str]) -> None:
     _serve(sock, processes)
 
 
-if __name__ == "__main__":  # run as this module's import, so unpickled messages name the same classes
-    from core.checkpointing.writer_process import main as _main
-
-    _main(sys.argv[1:])

@@ -1,5 +1,5 @@
 """The typed configuration of a pretraining run: what :class:`~core.training.pretrainer.Pretrainer`
-reads, grouped as Megatron groups its flags. ``core.training.arguments.pretrain_config`` maps the
+reads, grouped as Megatron groups its flags. ``core.training.run_config.pretrain_config`` maps the
 flags into them in one place; the trainer never sees the flags' namespace."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ biases (:attr:`Pretrainer.moe_state`) are model state outside the optimizer, upd
 step and checkpointed with the parameters.
 
 The run is configured by a :class:`~core.training.config.PretrainConfig` (``launch/pretrain.py``
-builds it from the flags: ``core.training.arguments.pretrain_config``); the data is
+builds it from the flags: ``core.training.run_config.pretrain_config``); the data is
 :class:`~core.training.pretraining_data.PretrainingData`, the checkpoints
 :class:`~core.checkpointing.checkpointer.Checkpointer`'s.
 
