@@ -143,7 +143,7 @@ def reference_step() -> Any:
     """The model's attention without context parallelism (``causal_attention``), one device."""
     import jax
 
-    from core.models.gpt.causal_attention import causal_attention
+    from core.transformer.dot_product_attention import causal_attention
 
     return jax.jit(_grads(causal_attention))
 
@@ -234,7 +234,7 @@ def cp_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> list
     and cp at ``seq``, and the reference."""
     import jax
 
-    from core.models.gpt.causal_attention import attention_implementation
+    from core.transformer.dot_product_attention import attention_implementation
 
     shape = programs.shape(seq)
     x = jax.ShapeDtypeStruct(shape, "float32")

@@ -119,7 +119,7 @@ def time_attention(shape: tuple[int, int, int, int], reps: int) -> dict[str, flo
     import jax.numpy as jnp
     from timing import median_seconds
 
-    from core.models.gpt.causal_attention import causal_attention
+    from core.transformer.dot_product_attention import causal_attention
 
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, cot = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)

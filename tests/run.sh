@@ -47,7 +47,7 @@ if [ "${1:-}" = quick ]; then
         test_ddp test_fsdp test_megatron_api                                                 # optimizer
         test_schedule_table test_pipeline_utils test_pipeline_p2p test_gpipe test_schedules   # pipeline
         test_context_parallel_attention test_moe                                             # cp, moe
-        test_gpt_layers test_fused_layer_norm test_fused_attention                           # model, fusions
+        test_transformer_blocks test_fused_layer_norm test_fused_attention                   # model, fusions
         test_indexed_dataset test_gpt_dataset test_blended_dataset test_text_dataset          # data
         test_preprocess_data
         test_checkpointing test_model_arguments                                              # checkpoints, flags

@@ -13,10 +13,10 @@ from attention_helpers import assert_close as _assert_close
 from attention_helpers import qkv as _inputs
 from attention_helpers import value_and_grads as _value_and_grads
 
-import core.models.gpt.causal_attention as attention
-import core.models.gpt.gpt_layers as gpt_layers
+import core.transformer.attention as attention
+import core.transformer.dot_product_attention as dot_product_attention
 from core.fusions import fused_attention_available
-from core.models.gpt.causal_attention import attention_implementation, causal_attention, preferred_layout
+from core.transformer.dot_product_attention import attention_implementation, causal_attention, preferred_layout
 
 
 def _x(shape, dtype=jnp.float32):
@@ -92,7 +92,7 @@ def test_gpt_with_the_gpu_layout_and_xla_attention_trains_like_the_cpu_path(monk
     devices = jax.local_devices()[:2]
     extra = ("--position-embedding-type", "rope")
     cpu = layout_losses(1, 1, devices, iters=3, extra=extra)
-    monkeypatch.setattr(gpt_layers, "preferred_layout", lambda: "bsnd")
-    monkeypatch.setattr(attention, "attention_implementation", lambda *a, **k: "xla")
+    monkeypatch.setattr(attention, "preferred_layout", lambda: "bsnd")
+    monkeypatch.setattr(dot_product_attention, "attention_implementation", lambda *a, **k: "xla")
     gpu_path = layout_losses(1, 1, devices, iters=3, extra=extra)
     np.testing.assert_allclose(gpu_path, cpu, rtol=1e-5)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from core.models.gpt.blocked_attention import blocked_causal_attention as causal_attention
+from core.transformer.blocked_attention import blocked_causal_attention as causal_attention
 
 
 def reference_attention(q, k, v):

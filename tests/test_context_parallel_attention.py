@@ -27,7 +27,7 @@ from core.context_parallel import (
     restore_from_cp,
 )
 from core.fusions import fused_attention_available
-from core.models.gpt.causal_attention import softmax_attention
+from core.transformer.dot_product_attention import softmax_attention
 
 # The module, not the package's re-exported ring_attention function of the same name.
 blocks_module = importlib.import_module("core.context_parallel._blocks")

@@ -36,8 +36,8 @@ from core.optimizer import distrib_optimizer, get_megatron_optimizer
 from core.optimizer.clip_grads import clip_coefficient
 from core.optimizer.optimizer_config import OptimizerConfig
 from core.param_metadata import ParamInfo
-from core.tensor_parallel.layers import ParallelMLP
 from core.training.train_step import make_train_step
+from core.transformer.mlp import ParallelMLP
 
 GLOBAL_BATCH = 32
 STEPS = 3

@@ -14,8 +14,8 @@ from core.distributed.distributed_data_parallel_config import DistributedDataPar
 from core.optimizer import get_megatron_optimizer
 from core.optimizer.clip_grads import clip_coefficient
 from core.optimizer.optimizer_config import OptimizerConfig
-from core.tensor_parallel.layers import ParallelMLP
 from core.training.train_step import make_train_step
+from core.transformer.mlp import ParallelMLP
 
 S, B, H, F = 8, 8, 16, 32
 

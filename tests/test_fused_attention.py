@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import core.models.gpt.causal_attention as attention_module
+import core.transformer.dot_product_attention as attention_module
 from core.fusions import fused_attention_available, fused_causal_attention
 from core.fusions.cpu_kernels import SOURCE_DIR, compile_kernel
 from core.fusions.fused_attention import (
@@ -17,7 +17,7 @@ from core.fusions.fused_attention import (
     fused_attention_block,
     fused_attention_forward,
 )
-from core.models.gpt.causal_attention import causal_attention
+from core.transformer.dot_product_attention import causal_attention
 
 needs_kernel = pytest.mark.skipif(not fused_attention_available(), reason="no C++ compiler: XLA fallback only")
 

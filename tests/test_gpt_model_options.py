@@ -25,12 +25,13 @@ from core import parallel_state as ps
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
 from core.fusions import fused_attention_available
 from core.models.gpt import GPTModel
-from core.models.gpt.causal_attention import causal_attention
 from core.models.gpt.gpt_config import GPTConfig
-from core.models.gpt.gpt_layers import apply_rotary, mask_padded_logits
+from core.models.gpt.gpt_layers import mask_padded_logits
 from core.param_metadata import init_sharded_params
 from core.pipeline_parallel.utils import split_microbatches
 from core.training.train_step import mean_loss
+from core.transformer.dot_product_attention import causal_attention
+from core.transformer.rotary_pos_embedding import apply_rotary
 
 S, MBS = 32, 2  # sequence (head dim 16 and seq 32: the C++ attention kernel serves unmasked batches)
 

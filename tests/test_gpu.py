@@ -12,7 +12,7 @@ from attention_helpers import assert_close as _close
 from attention_helpers import qkv
 from attention_helpers import value_and_grads as _value_and_grads
 
-from core.models.gpt.causal_attention import attention_implementation, causal_attention, preferred_layout
+from core.transformer.dot_product_attention import attention_implementation, causal_attention, preferred_layout
 
 
 def _on_gpu() -> bool:

@@ -1,6 +1,7 @@
 """The package's import structure: no cycles between ``core`` modules or between its subpackages
-(deferred imports inside functions count), and data parallelism does not depend on the optimizer
-(``core.optimizer`` builds on ``core.distributed``, never the reverse)."""
+(deferred imports inside functions count), data parallelism does not depend on the optimizer
+(``core.optimizer`` builds on ``core.distributed``, never the reverse), and the transformer
+building blocks do not depend on the models (``core.models`` builds on ``core.transformer``)."""
 
 import ast
 import subprocess
@@ -87,6 +88,16 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_data_parallelism_does_not_import_the_optimizer():
     check = "import sys, core.distributed; print(sorted(m for m in sys.modules if m.startswith('core.optimizer')))"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
+
+
+def test_transformer_blocks_do_not_import_the_models():
+    check = ("import importlib, pkgutil, sys, core.transformer\n"
+             "for m in pkgutil.walk_packages(core.transformer.__path__, 'core.transformer.'):\n"
+             "    importlib.import_module(m.name)\n"
+             "print(sorted(m for m in sys.modules if m.startswith('core.models')))")
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"

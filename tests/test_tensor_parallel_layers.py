@@ -11,12 +11,8 @@ from core import parallel_state as ps
 from core.distributed.finalize_model_grads import allreduce_model_parallel_grads
 from core.param_metadata import init_sharded_params
 from core.tensor_parallel.fast_vjp import gelu, linear
-from core.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    ParallelMLP,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-)
+from core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from core.transformer.mlp import ParallelMLP
 
 S, B, H, F, V = 8, 2, 16, 32, 24
 TPS = [1, 2, 4, 8]

@@ -39,7 +39,7 @@ def value_and_input_grad(fn, x, cotangent):
 
 
 def dense_parallel_mlp(params, x):
-    """Single-device equivalent of ``core.tensor_parallel.layers.ParallelMLP`` on global params."""
+    """Single-device equivalent of ``core.transformer.mlp.ParallelMLP`` on global params."""
     p = params["params"]
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)

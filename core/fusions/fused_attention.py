@@ -1,6 +1,6 @@
 """Softmax attention with a C++ kernel on CPU (Megatron's fused attention backends).
 
-XLA's CPU backend runs the blocked attention of ``core/models/gpt/causal_attention.py`` as a
+XLA's CPU backend runs the blocked attention of ``core/transformer/dot_product_attention.py`` as a
 loop of small batched matmuls on one thread: ~39 ms forward and backward for 16 x 4 heads x
 256 tokens x 64 on a 2-core VM, against ~22 ms for torch's SDPA on both cores (40 ms on one).
 ``attention_cpu.cc`` is flash attention for CPU: a (batch, head) pair at a time with its working

@@ -9,7 +9,7 @@ from core.tensor_parallel.async_collectives import (
     async_scatter_split,
 )
 from core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from core.tensor_parallel.layers import ColumnParallelLinear, ParallelMLP, RowParallelLinear, VocabParallelEmbedding
+from core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
@@ -31,7 +31,7 @@ from core.tensor_parallel.tp_dense import ModelParallelismWrapper, TPAsyncDense,
 from core.tensor_parallel.utils import VocabUtility, divide, split_tensor_along_last_dim
 
 __all__ = [
-    "ColumnParallelLinear", "ModelParallelismWrapper", "ParallelMLP", "RowParallelLinear", "TPAsyncDense", "TPDense",
+    "ColumnParallelLinear", "ModelParallelismWrapper", "RowParallelLinear", "TPAsyncDense", "TPDense",
     "VocabParallelEmbedding", "VocabUtility", "all_gather_last_dim_from_tensor_parallel_region", "async_gather",
     "async_gather_bidirectional", "async_gather_split", "async_scatter", "async_scatter_split",
     "copy_to_tensor_model_parallel_region", "data_parallel_rng", "divide", "gather_from_sequence_parallel_region",

@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.fusions import FusedLayerNorm, FusedRMSNorm
 from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
-from core.tensor_parallel.fast_vjp import gelu, linear
+from core.tensor_parallel.fast_vjp import linear
 from core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -33,7 +32,7 @@ from core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from core.tensor_parallel.random import sequence_parallel_dropout, tensor_parallel_init
+from core.tensor_parallel.random import tensor_parallel_init
 from core.tensor_parallel.utils import divide
 
 Initializer = Callable[..., jax.Array]
@@ -189,85 +188,3 @@ class VocabParallelEmbedding(nn.Module):
         if self.reduce_scatter_embeddings:
             return reduce_scatter_to_sequence_parallel_region(jnp.swapaxes(out, 0, 1), self.axis_name)
         return reduce_from_tensor_model_parallel_region(out, self.axis_name)
-
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-"""What :func:`build_norm` accepts (Megatron's ``--normalization``)."""
-
-
-def build_norm(normalization: str, epsilon: float, sequence_parallel: bool, name: str) -> nn.Module:
-    """A ``LayerNorm`` (params ``scale``, ``bias``) or ``RMSNorm`` (``scale``) over the last dim.
-
-    Its params are replicated over tp; under sequence parallelism each rank normalises only its
-    sequence shard, so they are tagged ``sequence_parallel`` (their grads are summed over tp).
-    """
-    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sequence_parallel)
-    if normalization == "LayerNorm":
-        return FusedLayerNorm(epsilon=epsilon, scale_init=meta(nn.initializers.ones),
-                              bias_init=meta(nn.initializers.zeros), name=name)
-    if normalization == "RMSNorm":
-        return FusedRMSNorm(epsilon=epsilon, scale_init=meta(nn.initializers.ones), name=name)
-    raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-
-
-class ParallelMLP(nn.Module):
-    """Pre-norm MLP block: norm -> ColumnParallel(gelu, or SwiGLU) -> RowParallel, plus the residual.
-
-    With ``sequence_parallel`` the input and output are ``[s/tp, b, h]`` sequence shards: the
-    norm and the output dropout run on the shard (norm params tagged ``sequence_parallel``,
-    dropout masks sliced from the full-sequence mask so they do not depend on the layout), the
-    column layer all-gathers the sequence and the row layer reduce-scatters it.
-
-    With ``gated_linear_unit`` (Megatron's ``--swiglu``) the block is
-    ``fc2(silu(x W_gate) * (x W_up))``: ``fc1`` holds the gate and up weights stacked
-    (``[2, ffn, h]``, the ffn dim split over tp), so each rank gates its own ffn slice.
-    """
-
-    hidden_size: int
-    """Model width."""
-    ffn_hidden_size: int
-    """MLP width (split over tp)."""
-    sequence_parallel: bool = False
-    """Sequence parallelism (see class docstring)."""
-    hidden_dropout: float = 0.0
-    """Dropout rate on the block output before the residual add (needs a ``"dropout"`` rng)."""
-    deterministic: bool = True
-    """Disable dropout (evaluation)."""
-    axis_name: str = TP_AXIS
-    """Tensor-parallel mesh axis."""
-    gated_linear_unit: bool = False
-    """SwiGLU instead of gelu (see class docstring)."""
-    bias: bool = True
-    """Biases on ``fc1`` and ``fc2`` (False: Megatron's ``--disable-bias-linear``)."""
-    normalization: str = "LayerNorm"
-    """The pre-norm: ``"LayerNorm"`` or ``"RMSNorm"``."""
-    epsilon: float = 1e-6
-    """The pre-norm's epsilon (the default is flax's; GPT passes ``layernorm_epsilon``)."""
-    init_method: Initializer = default_init_method
-    """``fc1``'s weight initializer (global shape)."""
-    output_layer_init_method: Initializer = default_init_method
-    """``fc2``'s weight initializer (global shape; Megatron scales its std by ``1/sqrt(2 L)``)."""
-
-    @nn.compact
-    def __call__(self, x: jax.Array, dropout_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
-        """``x + Dropout(MLP(Norm(x)))``; ``dropout_fn``, when given, replaces the rng-driven
-        dropout on the block output (e.g. GPT's layout-invariant per-sample masks)."""
-        sp = self.sequence_parallel
-        h = build_norm(self.normalization, self.epsilon, sp, "layernorm")(x)
-        stack = 2 if self.gated_linear_unit else 1
-        h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, bias=self.bias, sequence_parallel=sp,
-                                    init_method=self.init_method, axis_name=self.axis_name, num_stacked=stack,
-                                    name="fc1")(h)
-        if self.gated_linear_unit:
-            gate, up = jnp.split(h, 2, axis=-1)
-            h = jax.nn.silu(gate) * up
-        else:
-            h = gelu(h)
-        h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, bias=self.bias, input_is_parallel=True,
-                                 sequence_parallel=sp, init_method=self.output_layer_init_method,
-                                 axis_name=self.axis_name, name="fc2")(h)
-        if dropout_fn is not None:
-            h = dropout_fn(h)
-        elif self.hidden_dropout and not self.deterministic:
-            h = sequence_parallel_dropout(self.make_rng("dropout"), h, self.hidden_dropout, sp, self.axis_name)
-        return x + h

@@ -43,20 +43,16 @@ from jax.sharding import PartitionSpec as P
 from core.context_parallel import cp_positions
 from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.gpt_config import GPTConfig
-from core.models.gpt.gpt_layers import (
-    GPTEmbedding,
-    GPTOutputHead,
-    LayerContext,
-    TransformerLayer,
-    language_model_loss_terms,
-)
+from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_model_loss_terms
 from core.parallel_state import CP_AXIS, PP_AXIS, ParallelState
 from core.param_metadata import unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
+from core.transformer.layer_context import LayerContext
 from core.transformer.moe import MOE_STATE, get_updated_expert_bias
 from core.transformer.moe.moe_utils import attach_aux_loss, current_moe_aux_loss_scale
 from core.transformer.recompute import with_recompute
+from core.transformer.transformer_layer import TransformerLayer
 
 
 class GPTModel:

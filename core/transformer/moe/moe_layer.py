@@ -28,7 +28,7 @@ import jax
 from jax import lax
 
 from core.parallel_state import EP_AXIS, TP_AXIS
-from core.tensor_parallel.layers import build_norm, default_init_method
+from core.tensor_parallel.layers import default_init_method
 from core.tensor_parallel.random import sequence_parallel_dropout
 from core.transformer.moe.experts import GroupedMLP, SequentialMLP
 from core.transformer.moe.grouped_gemm import default_window
@@ -36,6 +36,7 @@ from core.transformer.moe.moe_config import MoEConfig
 from core.transformer.moe.router import TopKRouter
 from core.transformer.moe.shared_experts import SharedExpertMLP
 from core.transformer.moe.token_dispatcher import build_token_dispatcher
+from core.transformer.norms import build_norm
 
 
 class MoELayer(nn.Module):

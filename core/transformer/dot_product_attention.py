@@ -1,4 +1,5 @@
-"""Causal self-attention by backend: the one function the model calls.
+"""Core attention (Megatron's ``DotProductAttention``): causal softmax attention on q, k, v by
+backend, the one function the attention layer calls.
 
 Each backend gets the attention that is fast on it, all with float32 scores and softmax:
 
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from core.fusions.fused_attention import fused_attention_available, fused_attention_block, fused_causal_attention
-from core.models.gpt.blocked_attention import blocked_causal_attention
+from core.transformer.blocked_attention import blocked_causal_attention
 
 LAYOUTS = ("bnsd", "bsnd")
 """Supported q/k/v layouts (see the module docstring)."""

@@ -10,7 +10,7 @@ attention's backward, ``dS = P * (dP - rowsum(dO * O))``). Query block ``i`` onl
 blocks ``0..i``, about half the FLOPs of the full score matrix. Scores and their products
 accumulate in float32 whatever the input dtype. Plain XLA ops, sized for CPU caches: it is the
 CPU path where the C++ kernel of ``core/fusions/fused_attention.py`` does not apply (the
-dispatcher is ``core/models/gpt/causal_attention.py``); on GPUs cuDNN or XLA's attention runs.
+dispatcher is ``core/transformer/dot_product_attention.py``); on GPUs cuDNN or XLA's attention runs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""``TransformerConfig``: what the transformer layers read, their shape and numerics (a subset of
+Megatron's ``TransformerConfig``); a model's config extends it (``core.models.gpt.GPTConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from core.transformer.moe.moe_config import MoEConfig
+from core.transformer.recompute import RECOMPUTE_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the transformer layers (``core.transformer``)."""
+
+    num_layers: int = 4
+    """Transformer layers (must divide by pipeline x virtual-pipeline size)."""
+    hidden_size: int = 128
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads (must divide by the tensor-parallel size)."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means ``4 * hidden_size``."""
+    num_query_groups: int | None = None
+    """Grouped-query attention: K/V head groups (None = one per head, plain multi-head
+    attention). Must divide ``num_attention_heads`` and be divisible by tp."""
+    position_embedding_type: str = "learned_absolute"
+    """``"learned_absolute"`` (a ``[seq_length, hidden]`` table) or ``"rope"`` (rotary on q and k)."""
+    rotary_base: float = 10000.0
+    """Base of the rotary frequencies."""
+    rotary_percent: float = 1.0
+    """Share of each head's dims that rotary rotates (the rest pass unrotated), in (0, 1]."""
+    normalization: str = "LayerNorm"
+    """``"LayerNorm"`` or ``"RMSNorm"`` (every norm of the model)."""
+    swiglu: bool = False
+    """Gated MLP ``fc2(silu(x W_gate) * (x W_up))`` (Megatron's ``--swiglu``)."""
+    add_bias_linear: bool = True
+    """Biases on every linear layer (False: Megatron's ``--disable-bias-linear``)."""
+    attention_dropout: float = 0.0
+    """Dropout on the attention probabilities (training batches only)."""
+    hidden_dropout: float = 0.0
+    """Dropout on the embedding output and on each block's output before the residual add."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: norms and residuals on ``[s/tp, b, h]`` shards."""
+    context_parallel_size: int = 1
+    """Context parallelism (mesh axis ``"cp"``): each rank holds ``s/cp`` tokens of every sample,
+    the load-balanced chunks ``r`` and ``2cp-1-r`` (``core.context_parallel``); the batch arrives
+    reordered and split that way. Must match the parallel state's ``context_parallel_size``."""
+    cp_comm_type: str = "p2p"
+    """How context-parallel attention exchanges K/V: ``"p2p"`` (ring) or ``"all_gather"``."""
+    recompute_granularity: str | None = None
+    """Activation recompute in the backward (Megatron's ``--recompute-granularity``): ``"full"``
+    reruns each whole layer (``jax.checkpoint``); ``"selective"`` keeps the linear layers' outputs
+    and reruns the rest (core attention, norms, activations, dropout), much of the memory saving
+    of full for a fraction of its extra FLOPs; None keeps everything."""
+    bf16: bool = False
+    """Compute in bfloat16 (parameters, gradients and optimizer stay float32)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init."""
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    moe: MoEConfig | None = None
+    """Mixture of experts (``docs/moe.md``): the MoE layers' options; None: dense layers only."""
+    moe_layer_freq: int | tuple[int, ...] = 1
+    """Which layers are MoE (with ``moe``), Megatron's ``--moe-layer-freq``: an int ``N`` (layer
+    ``l`` is MoE when ``l % N == 0``) or one 0/1 entry per layer."""
+
+    @property
+    def moe_layer_pattern(self) -> tuple[bool, ...]:
+        """Per global layer: whether it is a MoE layer (all False without ``moe``)."""
+        if self.moe is None:
+            return (False,) * self.num_layers
+        if isinstance(self.moe_layer_freq, int):
+            return tuple(self.moe_layer_freq > 0 and i % self.moe_layer_freq == 0 for i in range(self.num_layers))
+        return tuple(bool(v) for v in self.moe_layer_freq)
+
+    def chunk_moe_pattern(self, layers_per_chunk: int) -> tuple[bool, ...]:
+        """The MoE pattern of one model chunk's ``layers_per_chunk`` layers (the same for every
+        chunk: the model's ``validate`` checks it)."""
+        return self.moe_layer_pattern[:layers_per_chunk]
+
+    @property
+    def ffn_size(self) -> int:
+        """The MLP width actually used."""
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """K/V head groups actually used (``num_query_groups`` or one per head)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each head that rotary rotates (Megatron: ``int(head_dim * rotary_percent)``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def compute_dtype(self):
+        """Activation dtype."""
+        return jnp.bfloat16 if self.bf16 else jnp.float32
+
+    def validate(self, tensor_model_parallel_size: int) -> None:
+        """Raise ``ValueError`` naming the numbers when a size does not divide or a value is out of range."""
+        tp = tensor_model_parallel_size
+        checks = [
+            (self.num_attention_heads % tp == 0, f"num_attention_heads {self.num_attention_heads} is not divisible "
+                                                 f"by tensor_model_parallel_size {tp}"),
+            (self.hidden_size % self.num_attention_heads == 0, f"hidden_size {self.hidden_size} is not divisible "
+                                                               f"by num_attention_heads {self.num_attention_heads}"),
+            (self.num_attention_heads % self.query_groups == 0,
+             f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
+             f"{self.query_groups}"),
+            (self.query_groups % tp == 0, f"num_query_groups {self.query_groups} is not divisible by "
+                                          f"tensor_model_parallel_size {tp}"),
+            (self.ffn_size % tp == 0, f"ffn_hidden_size {self.ffn_size} is not divisible by "
+                                      f"tensor_model_parallel_size {tp}"),
+            (self.position_embedding_type in ("learned_absolute", "rope"),
+             f"position_embedding_type must be 'learned_absolute' or 'rope', got {self.position_embedding_type!r}"),
+            (0.0 < self.rotary_percent <= 1.0, f"rotary_percent must be in (0, 1], got {self.rotary_percent}"),
+            (self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
+             f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
+             "dims; rope needs a positive even number"),
+            (self.normalization in ("LayerNorm", "RMSNorm"),
+             f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
+            (0.0 <= self.attention_dropout < 1.0, f"attention_dropout must be in [0, 1), got {self.attention_dropout}"),
+            (0.0 <= self.hidden_dropout < 1.0, f"hidden_dropout must be in [0, 1), got {self.hidden_dropout}"),
+            (self.context_parallel_size >= 1,
+             f"context_parallel_size must be >= 1, got {self.context_parallel_size}"),
+            (self.cp_comm_type in ("p2p", "all_gather"),
+             f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}"),
+            (self.recompute_granularity is None or self.recompute_granularity in RECOMPUTE_POLICIES,
+             f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
