@@ -357,7 +357,7 @@ def build_parallel_state(
     then by process and device id, so tensor-parallel groups stay inside a host whenever tp
     divides a host's device count; a warning names the numbers when they cannot. With one host,
     or hosts whose processes are numbered consecutively (the launchers' default), rank ``r`` is
-    the ``r``-th device by (process, id), as before.
+    the ``r``-th device by (process, id).
 
     Pure with respect to module state: nothing is stored. Raises ``RuntimeError`` or
     ``ValueError`` naming the offending numbers; the checks depend only on the arguments

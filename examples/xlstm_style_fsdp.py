@@ -72,7 +72,7 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Model, data and optimiser of the example (small: a few seconds per run on a CPU)."""
+    """Model, data and optimiser of the example (small enough to run quickly on a CPU)."""
 
     features: int = 16
     """Input = output width; split over ``tp`` between blocks."""

@@ -6,8 +6,8 @@ document with ``--append-eod``, and the document added to ``{output_prefix}_{key
 (``.bin`` and ``.idx``, Megatron's names and format, tokens as ``DType.optimal_dtype(vocab_size)``).
 ``--workers N`` tokenizes in a ``multiprocessing.Pool`` of N processes (``imap``: order
 preserved, so the output does not depend on N; each document comes back as an array of the
-dataset's dtype, since pickling lists of Python ints cost more than ByteLevel's encoding and
-made 2 workers slower than 1); 1 tokenizes in this process. Blank lines
+dataset's dtype, since pickling lists of Python ints costs more than ByteLevel's encoding and
+would make more workers slower than one); 1 tokenizes in this process. Blank lines
 are skipped. Megatron's ``--split-sentences``, ``--keep-newlines`` and ``--partitions`` are
 not supported.
 

@@ -302,7 +302,7 @@ class Checkpointer:
                                  meta.get("optimizer_format") == OPTIMIZER_FORMAT)
         if finetune:  # Megatron's --finetune: a new run from these weights
             return restored
-        self.run_id = meta.get("run_id", self.run_id)  # checkpoints from before run ids: this run adopts them
+        self.run_id = meta.get("run_id", self.run_id)  # a checkpoint without a run id: this run adopts it
         return dataclasses.replace(restored, iteration=int(meta["iteration"]),
                                    consumed_samples=int(meta["consumed_samples"]))
 
@@ -366,8 +366,8 @@ class Checkpointer:
         """None when every complete checkpoint in ``directory`` is this run's, else one phrase
         naming one that is not: the newest of another model (the fields of :meth:`model_record`,
         saved then this run's) or whose metadata cannot be read; else, with ``other_runs``, the
-        newest of another run of this model (another :attr:`run_id`; checkpoints written before
-        run ids are checked by their model only)."""
+        newest of another run of this model (another :attr:`run_id`; checkpoints without a run
+        id are checked by their model only)."""
         other_model, other_run = self._foreign_checkpoints(directory)
         return other_model or (other_run if other_runs else None)
 
@@ -406,7 +406,7 @@ class Checkpointer:
         if load_optimizer and meta.get("optimizer_saved") is False:
             raise CheckpointError(f"checkpoint {meta['iteration']} in {directory} was saved without its optimizer "
                                 "state (--no-save-optim): pass --no-load-optim (or --finetune) to load its parameters")
-        # Checkpoints written before context parallelism existed were all cp=1.
+        # A layout record without a context-parallel size is a cp=1 checkpoint's.
         old, new = {"context_parallel_size": 1, **meta["layout"]}, self.layout_record()
         global_format = meta.get("optimizer_format") == OPTIMIZER_FORMAT
         vpp_key = "virtual_pipeline_model_parallel_size"

@@ -115,7 +115,7 @@ def _write_integrity(step_dir: str) -> None:
 
 def verify_checkpoint(directory: str | os.PathLike, step: int) -> str | None:
     """None when every file of ``step`` has the size and CRC-32 it was written with (or the step
-    predates integrity records); else one phrase naming the first damaged file."""
+    has no integrity record); else one phrase naming the first damaged file."""
     step_dir = _step_dir(os.path.abspath(directory), step)
     record_path = os.path.join(step_dir, INTEGRITY_FILE)
     if not os.path.isfile(record_path):

@@ -6,8 +6,8 @@ reports the same failure again, many times over: orbax's signalling threads log 
 traceback each (``ERROR:absl: ... _SignalingThread.run() raised an exception``), asyncio logs
 each of tensorstore's failed write tasks when it is garbage-collected (``Task exception was never
 retrieved``), and once orbax has closed the save's event loop, every write still in flight
-reports to the closed loop as an unraisable ``RuntimeError('Event loop is closed')``. At the
-default model that was 343 lines before the one that said "No space left on device".
+reports to the closed loop as an unraisable ``RuntimeError('Event loop is closed')``: hundreds
+of lines for one full disk, around the one line that names the cause.
 
 :func:`silence` drops exactly those reports (by logger and message, or exception and message);
 every other log record and unraisable exception goes where it went before.

@@ -105,8 +105,8 @@ def restore_checkpoint(directory: str | os.PathLike, step: int | None, target: A
     else:  # the handler itself, not a CheckpointManager: a read-only manager logs a warning on every load
         state = ocp.StandardCheckpointHandler().restore(path, args=ocp.args.StandardRestore(abstract))
     jax.block_until_ready(state)
-    # Every process has read its shards before any returns (a CheckpointManager's restore ended
-    # the same way): nothing a process does next, such as a save's cleanup, can touch the files
+    # Every process has read its shards before any returns (as a CheckpointManager's restore
+    # ends): nothing a process does next, such as a save's cleanup, can touch the files
     # another one is still reading.
     barrier(unique_key("restored"))
     return state, load_metadata(directory, step)

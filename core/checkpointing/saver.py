@@ -53,7 +53,7 @@ process's."""
 def _lower_thread_priority_on_cpu() -> None:
     """On the CPU backend the training steps and the background writer share the cores: at
     normal priority the write's CPU work (host copies, serialization, checksums) lands on the
-    steps (a 116% stall of one step at the default model on 2 cores). At the lowest priority
+    steps, stalling them by more than a whole step. At the lowest priority
     the writer takes the cycles the steps leave. Only this thread (Linux priorities are per
     thread); GPU runs keep the default (their steps do not use the host's cores)."""
     if jax.default_backend() != "cpu" or not hasattr(threading, "get_native_id"):
@@ -66,8 +66,8 @@ def _lower_thread_priority_on_cpu() -> None:
 
 class _SaveThread:
     """The daemon thread that runs a saver's asynchronous writes, one at a time. It is started
-    once: starting a thread waits until the new thread runs, which on busy CPU cores took
-    2-3 ms of each save's blocking part (of 5 ms at the default model)."""
+    once: starting a thread waits until the new thread runs, which on busy CPU cores is a large
+    share of a save's blocking part."""
 
     def __init__(self):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -34,7 +34,7 @@ from core.checkpointing.files import (
 
 logger = logging.getLogger(__name__)
 
-_TMP_INFIX = ".orbax-checkpoint-tmp-"  # orbax's name for a step being written, kept for old runs
+_TMP_INFIX = ".orbax-checkpoint-tmp-"  # orbax's name for a step being written: its leftovers match too
 
 
 def _leftover_tmp_dirs(directory: str) -> list[str]:
@@ -89,8 +89,8 @@ def _write_step(directory: str, step: int, state: Any, metadata: dict, max_to_ke
     client = ocp.multihost.get_jax_distributed_client() if multi else None
     error: BaseException | None = None
     # The pytree handler under orbax's StandardCheckpointHandler (same files), without zstd: on
-    # fp32 weights and Adam moments it saved 7% of the bytes and cost as much CPU as the rest of
-    # the write (hidden 512: 410 -> 213 ms of CPU per save), which an async save takes from the steps.
+    # fp32 weights and Adam moments it saves few bytes and costs about as much CPU as the rest of
+    # the write, which an async save takes from the steps (bench/results/2026-11-checkpoints-cpu.md).
     handler = ocp.PyTreeCheckpointHandler(use_compression=False)
 
     def attempt(action: Callable[[], None]) -> None:

@@ -3,9 +3,9 @@
 Why a process: a background *thread* shares the training process's GIL. Orbax's save is mostly
 Python (asyncio, per-array handlers), and each time the training loop needs the GIL back to
 dispatch a step it may wait up to Python's switch interval (5 ms) for the writer to drop it.
-A dispatch-bound loop then loses tens of ms per save (about 30 ms on an H100 at the default
-model, 12 steps). A separate process shares no GIL, no XLA client and no thread pools with the
-loop; on the CPU backend it also runs at the lowest priority as a whole.
+A dispatch-bound loop (a small model on a GPU) then loses tens of ms per save. A separate
+process shares no GIL, no XLA client and no thread pools with the loop; on the CPU backend it
+also runs at the lowest priority as a whole.
 
 How: each training process starts one writer (:class:`WriterProcess`) at its first
 asynchronous save. The writers form their own ``jax.distributed`` job on the CPU: training
@@ -188,10 +188,10 @@ def _to_host(sources: list, pinned_host: bool) -> list:
     ``pinned_host`` (where the device has a ``pinned_host`` memory): one batched ``device_put``
     into pinned (page-locked) host memory, as orbax stages its own transfers on GPUs
     (``enable_pinned_host_transfer``, on by default there): a DMA at the link's speed, outside
-    the steps' programs. (A jitted identity with outputs in pinned memory dispatches faster, 0.2-0.3
-    against 1.5-4.5 ms for 50 arrays on the AVX2 VM, but its copies would run inside a program
-    on the training steps' stream, so in series with the steps: about half a second for the
-    ~1.2B GPT's 14.5 GB at PCIe speed.)
+    the steps' programs. (A jitted identity with outputs in pinned memory dispatches faster, but
+    its copies would run inside a program on the training steps' stream, so in series with the
+    steps: the whole state at PCIe speed, a stall of the order of a second for a GPT of ~1B
+    parameters with its Adam state.)
     Otherwise each array's ``copy_to_host_async``: on a GPU a copy into pageable memory, which
     the driver stages through its own pinned buffers; on the CPU backend the values are host
     memory already."""
@@ -328,12 +328,12 @@ class WriterProcess:
         leaves, treedef = jax.tree.flatten(state)
         key = _plan_key(leaves, treedef)
         if key is None or key != self._last_plan[0]:
-            # Describing the shards is Python per leaf (0.8 ms of a tiny model's save on this
-            # thread, which a dispatch-bound training loop waits for): once per state layout,
-            # and a training run saves the same state every time.
+            # Describing the shards is Python per leaf (time on this thread, which a
+            # dispatch-bound training loop waits for): once per state layout, and a training
+            # run saves the same state every time.
             self._last_plan = (key, _plan(leaves, treedef, self._devices))
         tree, entries, size = self._last_plan[1]
-        # addressable_data, not addressable_shards: no Shard object per shard (3x cheaper).
+        # addressable_data, not addressable_shards: no Shard object per shard (much cheaper).
         copies = [(leaves[number].addressable_data(position), offset) for number, position, offset in entries]
         self._ensure_buffer(size)
         phase("plan")

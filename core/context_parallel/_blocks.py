@@ -37,8 +37,8 @@ with grouped-query attention a block's K/V heads are repeated to the group (and 
 gradients summed back) in memory; the K/V that are exchanged stay ungrouped. A ``scale`` other than
 ``1 / sqrt(head_dim)`` (the kernel's) is applied to q before the kernel, and to dq after.
 Everywhere else (GPU, TPU, bfloat16, other shapes, ``MCJ_FUSED_ATTENTION=0``, and under the
-document mask or dropout, which the kernel cannot apply) the block products are XLA einsums as
-before; on GPU that is XLA's own dot fusion, not cuDNN's fused attention
+document mask or dropout, which the kernel cannot apply) the block products are XLA einsums;
+on GPU that is XLA's own dot fusion, not cuDNN's fused attention
 (``jax.nn.dot_product_attention``'s backward cannot be given the global output and LSE). An
 einsum product of a chunk longer than :data:`QUERY_TILE` runs its query rows in tiles, so its
 scores are ``[.., tile, chunk]``, linear in the chunk. Both paths give the same results up to

@@ -12,7 +12,7 @@ ring together with K/V, so after one more hop each rank holds the gradients of i
 
 K/V rotation (``kv_rotation``). ``"ppermute"`` (the default, and the only one used off the CPU
 backend) sends each block to the next rank with ``lax.ppermute``; on GPU that is NCCL
-send/recv between the pair (not checked on a GPU in this project). XLA's CPU collective-permute
+send/recv between the pair (not verified on a GPU). XLA's CPU collective-permute
 instead rendezvouses every device of the program (its key lists all of them), so when devices
 outside the cp group run other code in between, as pipeline stages under the executor's
 per-slot ``lax.cond`` do, a ring step waits for, or meets, another stage's collective-permute:

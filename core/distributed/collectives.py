@@ -2,17 +2,16 @@
 
 Why not plain ``lax.psum_scatter``: on JAX's CPU backend across processes (gloo over TCP), a
 *small* reduce-scatter leaves the connections in a state where every later large all-reduce
-or all-gather crawls at about 1 MB/s (4 MiB all-reduce: 0.05 s -> 15 s) until a large
-reduce-scatter happens (see README, known issues, and ``bench/collectives.py``). Gradient
+or all-gather crawls at about 1 MB/s until a large reduce-scatter happens (README, known
+issues; ``bench/collectives.py``, ``bench/results/2026-11-collectives-cpu.md``). Gradient
 buckets end with a small bucket often, so the DDP must never issue a small gloo
 reduce-scatter. On CPU multi-process runs :func:`reduce_scatter` therefore uses a ring of
 ``ppermute`` steps (same traffic as an optimal reduce-scatter, no stall); elsewhere (GPU/NCCL,
 single-process CPU) it is ``lax.psum_scatter``.
 
 For the same backend :func:`all_reduce` sends large buffers as that ring reduce-scatter plus
-an all-gather: gloo's own ring all-reduce moves them at ~0.6x the speed (a 13 MiB gradient
-bucket at 8 processes: 127 vs 73 ms), and XLA's CPU runtime cannot hide it behind compute
-(``bench/overlap.py``), so its speed is what the step pays.
+an all-gather: gloo's own ring all-reduce moves them more slowly, and XLA's CPU runtime cannot
+hide it behind compute (``bench/overlap.py``), so its speed is what the step pays.
 
 All functions take an ``axis_name`` that may be a tuple of mesh axes (e.g. the data-parallel
 ``("dp", "ep")``); ranks along a tuple are numbered with the first axis major, as
@@ -168,7 +167,7 @@ def reduce_scatter_with_fp32_accumulation(x: jax.Array, axis_name: AxisName, *,
     else:
         received = lax.all_to_all(chunks, axis_name, 0, 0, tiled=True, axis_index_groups=groups)
     # Explicit adds in rank order: XLA:CPU fuses them into one loop (a reduce over the leading axis
-    # of the received [n, chunk] block is ~10x slower there).
+    # of the received [n, chunk] block is far slower there).
     total = received[0].astype(jnp.float32)
     for i in range(1, n):
         total = total + received[i].astype(jnp.float32)
@@ -185,12 +184,11 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0,
 
 
 # Below this size gloo's own all-reduce is as fast as reduce-scatter + all-gather (two
-# collectives, 2(n-1) latency-bound steps); measured on CPU at 8 processes: 1 MiB 26 vs 39 ms,
-# 4 MiB 40 vs 39 ms, 13 MiB 127 vs 73 ms (bench/collectives.py, README).
+# collectives, 2(n-1) latency-bound steps); above it the split is faster
+# (bench/results/2026-11-collectives-cpu.md).
 SPLIT_ALL_REDUCE_MIN_BYTES = 4 * 2**20
-# With two ranks both are one exchange of halves each way: 16 MiB 16.7 ms as one all-reduce,
-# 9.4 + 7.5 ms split (bench/collectives.py), so the split gains nothing there and its flat copy
-# of the gradients costs a pass over them.
+# With two ranks both are one exchange of halves each way and take about the same time, so the
+# split gains nothing there and its flat copy of the gradients costs a pass over them.
 SPLIT_ALL_REDUCE_MIN_RANKS = 3
 
 
@@ -225,12 +223,11 @@ def all_reduce(
     """Sum (or average) ``x`` over ``axis_name``.
 
     ``impl="psum"`` is one ``lax.psum``; ``"reduce_scatter_all_gather"`` is the package's ring
-    reduce-scatter then an all-gather, which on CPU across processes moves a large buffer in
-    ~0.6x gloo's all-reduce time (gloo's ring all-reduce at 8 processes: 13 MiB in 127 ms, the
-    split one in 73 ms). ``"auto"`` picks the split for buffers of at least
-    ``SPLIT_ALL_REDUCE_MIN_BYTES`` over at least ``SPLIT_ALL_REDUCE_MIN_RANKS`` ranks on a
-    multi-process CPU run and ``psum`` otherwise. With ``axis_index_groups`` each group sums
-    its own ranks' values.
+    reduce-scatter then an all-gather, which on CPU across processes moves a large buffer faster
+    than gloo's ring all-reduce (``bench/results/2026-11-collectives-cpu.md``). ``"auto"`` picks
+    the split for buffers of at least ``SPLIT_ALL_REDUCE_MIN_BYTES`` over at least
+    ``SPLIT_ALL_REDUCE_MIN_RANKS`` ranks on a multi-process CPU run and ``psum`` otherwise. With
+    ``axis_index_groups`` each group sums its own ranks' values.
     """
     n = group_size(axis_name, axis_index_groups)
     if n == 1:

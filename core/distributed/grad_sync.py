@@ -9,7 +9,7 @@ depends only on its own gradients:
   the collective is a plain ``psum`` (one process, GPUs, small buckets) it is one variadic
   all-reduce of the bucket's gradients, which needs no flat copy of them; on CPU across
   processes a large bucket is flattened and goes as ring reduce-scatter + all-gather
-  (:func:`core.distributed.collectives.all_reduce`, ~0.6x gloo's all-reduce time);
+  (:func:`core.distributed.collectives.all_reduce`, faster than gloo's all-reduce);
 * with it: reduce-scatter (:func:`core.distributed.collectives.reduce_scatter`) of the flat
   bucket, rank r keeps shard r of every bucket;
 * with the partial distributed optimizer (``num_distributed_optimizer_instances`` = I > 1):

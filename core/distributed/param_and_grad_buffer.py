@@ -244,8 +244,9 @@ def _flatten_runs(leaves: Sequence[jax.Array], spec: BufferSpec, runs: Sequence[
 SHARD_SEGMENT_MAX_SLICES = 2048
 """Most static slices (segments x shards) with which :func:`flatten_bucket_shard` builds a
 shard segment by segment; beyond, it selects between whole candidate shards, which costs
-O(params + shards) slices. A GPT bucket of 16 params cut 256 ways took 2.6 s to trace and 6.9 s
-to compile by segments (0.15 + 0.5 s by candidates; 0.8 + 1.1 s by segments at 64 shards)."""
+O(params + shards) slices. Tracing and compiling the segments take time in proportion to their
+slices: seconds for a bucket of a few tens of params cut into hundreds of shards, where the
+candidates take a fraction of a second (``bench/results/2026-11-ddp-optimizer-cpu.md``)."""
 
 
 def flatten_bucket_shard(leaves: Sequence[jax.Array], spec: BufferSpec, bucket: int, shards: int,
@@ -254,11 +255,11 @@ def flatten_bucket_shard(leaves: Sequence[jax.Array], spec: BufferSpec, bucket: 
     result, without the whole bucket. The shard is cut into segments at every offset where some
     rank's shard crosses a parameter boundary; in each segment every rank's values are one static
     slice of one parameter (or zeros), and ``lax.select_n`` picks the rank's. Cutting the shard out
-    of the whole bucket with a ``dynamic_slice`` made XLA keep the whole fp32 bucket as a temporary
-    of the distributed optimizer's step (its shard has several consumers): about one fp32 copy of
-    the params per device (+449 MiB of 1052 at a 101M-param model, dp 2, 2026-11-28). Selecting
-    between whole candidate shards instead (each a concatenation) fused into the update, which
-    the CPU then ran 1.4-1.6x slower than the cut; per segment, XLA writes the shard once. With
+    of the whole bucket with a ``dynamic_slice`` makes XLA keep the whole fp32 bucket as a
+    temporary of the distributed optimizer's step (its shard has several consumers): about one
+    fp32 copy of the params per device. Selecting between whole candidate shards instead (each a
+    concatenation) fuses into the update, which the CPU then runs markedly slower than the cut
+    (every candidate evaluated per element); per segment, XLA writes the shard once. With
     many shards the segments' slices grow as segments x shards: beyond
     :data:`SHARD_SEGMENT_MAX_SLICES` the candidates are used (a GPU's fused loop reads the bucket
     once either way)."""

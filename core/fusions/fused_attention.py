@@ -1,12 +1,12 @@
 """Softmax attention with a C++ kernel on CPU (Megatron's fused attention backends).
 
 XLA's CPU backend runs the blocked attention of ``core/transformer/dot_product_attention.py`` as a
-loop of small batched matmuls on one thread: ~39 ms forward and backward for 16 x 4 heads x
-256 tokens x 64 on a 2-core VM, against ~22 ms for torch's SDPA on both cores (40 ms on one).
+loop of small batched matmuls on one thread, well behind torch's SDPA, which uses every core.
 ``attention_cpu.cc`` is flash attention for CPU: a (batch, head) pair at a time with its working
 set in cache, register-tiled micro-kernels for the matmuls, the probabilities recomputed in the
 backward from the saved row log-sum-exp, key blocks above the diagonal skipped, and pairs
-spread over XLA's intra-op threads (13 ms on two cores, 23 ms on one, same VM). It is built and
+spread over XLA's intra-op threads, so it is faster than the XLA loop even on one core
+(``bench/results/2026-11-cpu-tuning.md``, fused CPU kernels). It is built and
 cached like the other fused kernels (``cpu_kernels.py``); where it is unavailable, or the
 inputs are not float32 with a head dim and sequence in multiples of 16, callers use the XLA
 path, so results differ only by float rounding.

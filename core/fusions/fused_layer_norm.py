@@ -2,18 +2,15 @@
 
 XLA's CPU backend runs a LayerNorm and its gradient as several passes over the activations
 (row statistics, normalisation, the two row sums of the backward, the column sums for the
-scale and bias gradients): ~3.6-5.5 ms forward and backward per ``[4096, 256]`` LayerNorm in
-the GPT step on one core, against ~1.6 ms for torch's kernel. ``layer_norm_cpu.cc`` does one
-pass per row each way and is called through XLA's FFI, built and cached on first use by
+scale and bias gradients), much slower than torch's one-pass kernel. ``layer_norm_cpu.cc`` does
+one pass per row each way and is called through XLA's FFI, built and cached on first use by
 ``cpu_kernels.py``; where that is not possible (no compiler, another backend, not float32) the same LayerNorm runs
 as plain XLA ops, so results differ only by float rounding.
 
 ``FusedRMSNorm`` does the same for flax's ``RMSNorm`` (``x * rsqrt(mean(x^2) + eps) * scale``)
-with ``rms_norm_cpu.cc`` (``MCJ_FUSED_RMS_NORM=0`` disables it). Forward and backward (``y``,
-``dx``, ``dscale`` of one jitted ``jax.vjp``) on one core (``taskset``), 2026-11-26, 2-core AVX2
-VM shared with other jobs (best of 10-call means, three runs of 30-40): ``[4096, 256]`` 1.5-1.8 ms
-for the kernel against 4.5-5.6 ms for flax's RMSNorm as XLA ops (medians 2.2-3.0 against 7.4-9.4
-ms); ``[4096, 1024]`` 13-18 ms against 56-87 ms (medians 19-28 against 65-113 ms).
+with ``rms_norm_cpu.cc`` (``MCJ_FUSED_RMS_NORM=0`` disables it): its forward and backward take
+a fraction of the time of flax's RMSNorm as XLA ops. Measurements of both kernels:
+``bench/results/2026-11-cpu-tuning.md`` (fused CPU kernels).
 """
 
 from __future__ import annotations

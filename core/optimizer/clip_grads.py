@@ -14,7 +14,8 @@ it live on several devices. Each element is counted once:
 * without it every rank of a buffer's reduction group holds the same, bit-identical reduced
   bucket, so each counts it itself and the sum runs only over the other (model-parallel) axes,
   as Megatron all-reduces the norm over its model-parallel group only. For a data-parallel
-  layout that is no collective at all (a scalar all-reduce costs ~15 ms at 8 CPU processes).
+  layout that is no collective at all (a scalar all-reduce across CPU processes is a
+  latency-bound round trip through gloo).
 
 The result is identical on every rank. Elements a device does not count are weighted by 0
 (a multiplication, not a select), so a NaN or Inf anywhere still makes the norm non-finite:

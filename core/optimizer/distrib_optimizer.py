@@ -15,11 +15,10 @@
 * replicated (Megatron's default): the optimizer steps every parameter with its reduced
   gradient (Megatron's optimizer over ``param.main_grad``); the fp32 masters of non-fp32
   params and the optax state are per-leaf trees split like the parameters. Stepping flat
-  buckets instead meant flattening the parameters and slicing the updated buckets back into
-  leaves every step: in the one-process GPT benchmark step the compiled program moved ~150 MB
-  more than the per-leaf ``pmean`` recipe's (XLA's cost analysis), and the part of the step
-  after the backward took 39-40 ms against 33-35 ms per leaf (``bench/optimizer_step.py``'s
-  measurement, both with the NaN skip, separate launches on a 2-core AVX2 VM).
+  buckets instead would flatten the parameters and slice the updated buckets back into leaves
+  every step: the compiled program moves more bytes than the per-leaf ``pmean`` recipe's and
+  the part of the step after the backward is slower (``bench/optimizer_step.py``; see
+  ``bench/results/2026-11-ddp-optimizer-cpu.md``).
 
 Any optax ``GradientTransformation`` works if it is *elementwise* (Adam, SGD, momentum, ...):
 then stepping shards gives exactly the update of stepping whole parameters. Transformations
@@ -67,28 +66,28 @@ from core.param_metadata import ParamInfo
 Buckets = tuple[jax.Array, ...]
 CONVERT_GROUP_MIN_ELEMENTS = 1 << 20
 """Smallest group (elements; 4 MiB in fp32) in which :meth:`DistributedOptimizer.state_to_global`
-converts params. Each group is one collective per kind, after the group before: on 4 CPU
-processes (gloo) a 0.8M-param model's conversion took 91 ms in groups of its largest param and
-32 ms with this minimum (28 ms converting whole buckets), a 3.2M-param one 111 ms (76 ms with
-4M-element groups, 70 ms whole buckets); the temporaries are about twice a group (the pieces and
-their concatenation), 4.5 MiB per device at dp 8 for the second (26 MiB with 4M-element groups)."""
+converts params. Each group is one collective per kind, after the group before: groups as small
+as one small parameter make a conversion latency-bound (one collective round per parameter),
+while the temporaries are about twice a group (the pieces and their concatenation), so this
+minimum keeps the collectives few at a few MiB of temporaries per device
+(``bench/results/2026-11-checkpoints-cpu.md``)."""
 CONVERT_CHUNK_ELEMENTS = 1 << 24
 """Largest piece (elements; 64 MiB in fp32) of one parameter that the conversions between the
 bucket shards and the layout-independent form (:meth:`DistributedOptimizer.state_to_global`,
 :meth:`~DistributedOptimizer.state_from_global`) handle at once: a larger parameter goes in
 chunks (:func:`_chunks`), one collective each, so their temporaries stay about a few
 chunks whatever the model size. Stacked layers make the largest parameter all layers of one
-weight: 1.5 GiB in fp32 for the ~1.2B GPT's MLP weight, whose whole conversion took about 1.5x
-(save) and 2x (load) that per device. Smaller chunks compile more slowly (1M-element chunks:
-a 101M-param model's two programs took 3.7-4.4 s to compile against 0.8-1.9 s)."""
+weight (1.5 GiB in fp32 for the MLP weight of a GPT of 24 layers and hidden 2048), and its
+whole conversion would need temporaries of one to two times that per device. Smaller chunks
+make the conversion programs slower to compile (``bench/results/2026-11-checkpoints-cpu.md``)."""
 FLAG_COMPARE_MAX_FLIPS = 256
 """Up to this many flips of a flag in one bucket (:meth:`DistributedOptimizer._shard_flags`),
 each element counts the flips before it with one comparison per flip, which XLA fuses into the
-optimizer's update. On 8M elements on CPU (2026-11-28) an update with a stored mask took about
-10 ms; with 4-32 flips 12-16 ms, 64: 18, 128: 26, 256: 41 ms. More flips (one leaf per layer, a
-flag flipping at each) mark each flip in the shard and take a cumulative sum: about 50-58 ms
-whatever their number (a binary search, ``jnp.searchsorted``, took 120-180 ms). The package's
-GPT stacks its layers: at most 5 flips."""
+optimizer's update: close to the cost of a stored mask for a few flips, growing with their
+number. More flips (one leaf per layer, a flag flipping at each) mark each flip in the shard and
+take a cumulative sum, a cost independent of their number that the comparisons reach at about
+this many flips (a binary search, ``jnp.searchsorted``, is slower than both). The package's GPT
+stacks its layers: at most 5 flips. See ``bench/results/2026-11-ddp-optimizer-cpu.md``."""
 TRACKERS = ("large_grads", "spiky_loss")
 """Per-device entries of the optimizer state kept by the step's checks (not saved in checkpoints)."""
 
@@ -448,7 +447,7 @@ class DistributedOptimizer:
                 stacked = all_gather(block.reshape(-1), split.axes, axis=0) if ranks > 1 else block.reshape(-1)
                 # Each element to its place in the shard, those outside it nowhere: a scatter that
                 # reads nothing of the shard, so XLA updates it in place (rewriting a window of
-                # the shard, its kept part read back, cost two copies of the shard). The indices,
+                # the shard, its kept part read back, would cost two copies of the shard). The indices,
                 # as many as the chunk's elements, are computed after the chunk before too.
                 begin = self._param_start(spec, bucket, j) - shard_start
                 at = _after(begin, after) + _positions(view, (r0, r1, c0, c1), ranks)
@@ -523,9 +522,9 @@ class DistributedOptimizer:
         ``check_for_large_grads`` verdict of :meth:`check_large_grads`). The update is selected
         in a ``lax.cond``: a ``jnp.where`` between old and new values makes XLA recompute the new
         moments inside the parameter update and copy the old ones first. The conditional costs
-        one copy of the updated params and state into their donated buffers (within noise of no
-        check in the benchmark step). The clipping factor is applied inside the update, where XLA
-        fuses it into the optimizer's loops instead of writing clipped copies of the gradients.
+        one copy of the updated params and state into their donated buffers. The clipping
+        factor is applied inside the update, where XLA fuses it into the optimizer's loops
+        instead of writing clipped copies of the gradients.
         """
         if self.sharded:
             current = self._param_shards(param_leaves)

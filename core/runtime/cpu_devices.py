@@ -4,10 +4,9 @@ XLA's CPU runtime runs one program's operations mostly one after another: large 
 every core, but the many small ops of a training step (attention blocks, LayerNorms, slices)
 keep only part of them busy. Several CPU devices in one process run their programs side by side,
 so a process that owns k cores trains faster as k data-parallel devices (each device's share of
-the batch, gradients all-reduced inside the process) than as one device. Measured on the
-end-to-end GPT (one process, 2 cores, global batch 32): 1.09-1.19 s per step as one device,
-1.01 s as two. The results do not change (data parallelism is layout-invariant), only the
-speed.
+the batch, gradients all-reduced inside the process) than as one device
+(``bench/results/2026-11-cpu-tuning.md``, CPU devices). The results do not change (data
+parallelism is layout-invariant), only the speed.
 
 :func:`cpu_devices_per_process` chooses the count before JAX starts (``JAX_NUM_CPU_DEVICES``
 when the user set it), :func:`configure_cpu_devices` applies it. Nothing changes when JAX will

@@ -2,31 +2,24 @@
 
 XLA's CPU runtime allocates each step's large buffers with ``malloc``; glibc serves them with
 ``mmap`` and ``munmap``-s them on free, so every step page-faults its working set in again, 4 KiB
-at a time. Measured on the end-to-end GPT (4 layers, hidden 256, batch 32 x 256, one process,
-2 cores): 285k minor faults (1.1 GB) and 0.7-0.9 s of system time per forward-backward, 2.8-3.1 s
-wall. The settings (:data:`KEEP_FREED_TUNABLES` and :data:`XLA_HEAP_FLAG`):
+at a time, and spends a large share of its time in the kernel. The settings
+(:data:`KEEP_FREED_TUNABLES` and :data:`XLA_HEAP_FLAG`):
 
 * transparent huge pages (``hugetlb=1``: glibc ``madvise``-s its mappings);
 * no ``mmap`` for large blocks and no trimming (``mmap_max=0``, a 64 GiB ``trim_threshold``), so
   a step's freed buffers stay in the process and the next step reuses them;
 * each thread keeps its own arena. A thread arena grows in heaps of at most 64 MiB, and glibc
-  ``mmap``-s any larger block whatever ``mmap_max`` says: each device's temp block (472 MB for
-  the GPT at one process, two devices) was mapped, zeroed by the kernel and unmapped every step
-  (``strace``: ~1440 faults, 0.13-0.19 s of system time per step, ~7% of the two cores).
+  ``mmap``-s any larger block whatever ``mmap_max`` says, so each device's temp block (hundreds
+  of MB for a small GPT) would be mapped, zeroed by the kernel and unmapped every step.
   :data:`XLA_HEAP_FLAG` makes XLA split each program's temp into heaps of about 32 MiB (the same
-  472 MB in all; XLA's ``xla_multiheap_size_constraint_per_heap``), which fit in a thread arena's
+  bytes in all; XLA's ``xla_multiheap_size_constraint_per_heap``), which fit in a thread arena's
   heaps, and a 64 MiB ``top_pad`` keeps glibc from deleting a heap that became all free: no
-  faults and no system time per step. One process, two devices, 6 interleaved pairs on
-  2026-11-25: 1.12-1.22 -> 1.01-1.12 s per step (medians 1.18 -> 1.06); peak memory 1712 ->
-  1926-1983 MiB (the arenas keep what they held).
+  faults and no system time per step, at the price of a higher peak memory (the arenas keep what
+  they held).
 
-Processes whose XLA pool has one thread (one core per process, dp or tp) used one arena
-(``arena_max=1``) instead until 2026-11-25; side by side with these settings (``bench/e2e_jax.py
---impl package``, interleaved launches) one arena was slower at 8 processes in 7 of 7 pairs
-(1.14-1.25 vs 1.10-1.20 s per step), at 2 processes in 3 of 3 (1.05-1.23 vs 0.99-1.00 s) and about
-level at 4 (slower in 3 of 7 pairs), and it needed up to 1.23x the peak memory (dp at 2-4
-processes); tp=2 at 2 processes ran level (1.29-1.33 s) with 1.47-1.51 GB peak here vs
-1.31-1.33 GB with one arena.
+Every process gets the same settings, whatever the size of its XLA thread pool: a single arena
+(``arena_max=1``) for processes with a one-thread pool is slower at several processes and needs
+more peak memory. Measurements: ``bench/results/2026-11-cpu-tuning.md`` (memory pages).
 
 Tunables are only read at process start, so :func:`reexec_with_malloc_settings` re-executes the
 interpreter once with them (first thing in a launch script, before MPI or JAX start) and adds
@@ -63,11 +56,10 @@ CACHEABLE_RUN_ITERS = 200
 XLA cannot serialize a CPU program whose temp buffer is split into heaps ("Multiple temp buffer
 allocations found", jaxlib 0.10.2 and 0.11.2), so with the flag a large training step is never
 written to the persistent compilation cache, and every launch compiles it again in every
-process. Measured on the 2-core VM (the end-to-end benchmark's GPT, 2026-11-26): the split
-saves 0-0.3 s per step (1 process: none; 2: 0-0.3 s; 4: 0.18-0.40 s of 1.85-1.90 s), while a
-warm cache saves the step's compile, 12 s at 4 processes; the split pays for itself after about
-50-125 iterations, so short runs (tests, smoke runs, quick experiments) get cacheable programs
-and longer ones the faster steps."""
+process. The split saves a little time per step, a warm cache the step's whole compile, so a
+short run gains more from the cache and a long one from the split; this bound lies above the
+iteration count where the two break even, so short runs (tests, smoke runs, quick experiments)
+get cacheable programs and longer ones the faster steps (``bench/results/2026-11-startup-cpu.md``)."""
 
 OPT_OUT_VAR = "MCJ_MALLOC_TUNING"
 """Set to ``0`` to skip the malloc settings."""

@@ -3,8 +3,8 @@
 ``mpirun -n 8`` on an 8-core host starts 8 processes, and by default each XLA CPU client (and
 each torch process) runs its intra-op work on *all* cores: 64 threads fighting over 8 cores,
 with every collective waiting for the slowest, descheduled one. XLA's thread-pool flags
-(``--xla_cpu_multi_thread_eigen=false``) do not limit the current CPU runtime (measured: a
-2048^2 matmul runs at the same 2-core speed with it), so none is set; XLA sizes its pool from
+(``--xla_cpu_multi_thread_eigen=false``) do not limit the current CPU runtime (a large matmul
+still uses every core of the affinity mask with it), so none is set; XLA sizes its pool from
 the process's CPU affinity mask when its backend starts. :func:`configure_cpu_threads` (called
 by the launch path before JAX starts its backend, a no-op unless JAX will run on the CPU) sets
 the OpenMP/BLAS thread counts to ``cores // local processes``, and:
@@ -12,15 +12,15 @@ the OpenMP/BLAS thread counts to ``cores // local processes``, and:
 * ``share_pool=True`` (the launch path's choice for layouts without pipeline parallelism):
   narrows the affinity mask to the process's share of the cores until the backend has started,
   then :func:`release_cpu_affinity` gives every thread the whole mask back. XLA's pool then
-  has the share's size but its threads are not pinned (torch's ``set_num_threads``).
-  Measured side by side (dp-only GPT step, 2-core host): 2 processes 1.05/1.08 -> 1.00/1.02 s,
-  8 processes 1.25/1.31 -> 1.20/1.19 s; tp=2 at 4 processes 1.59 -> 1.39 s. Not for pipeline
-  layouts: a stage idles in the bubbles and its neighbour's larger pool uses the idle core
-  (pp=2 at 2 processes: 1.48 s with the full pool, 2.07 s with the share).
+  has the share's size but its threads are not pinned (torch's ``set_num_threads``): the
+  processes do not oversubscribe the cores, so data- and tensor-parallel steps run faster.
+  Not for pipeline layouts: a stage idles in the bubbles and its neighbour's larger pool uses
+  the idle core, so a pipeline step is faster with the full pool.
 * ``MCJ_CPU_AFFINITY=1``: pins each process to its own share for good: local rank ``r`` of
   ``n`` gets cores ``[r*k, (r+1)*k)`` with ``k = cores // n``, or core ``r % cores`` when there
-  are more processes than cores. Opt-in: it costs pipeline layouts up to 1.5x for the same
-  reason (README, end-to-end benchmark).
+  are more processes than cores. Opt-in: it slows pipeline layouts down for the same reason.
+
+Measurements: ``bench/results/2026-11-cpu-tuning.md`` (CPU threads).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Autodiff of ``x @ W.T`` and of the tanh GELU is correct but leaves XLA's CPU backend work it
 runs slowly (a transposed-operand GEMM for the widening layers, an extra full-size tanh
 buffer saved for the backward); these functions compute the same values with VJPs that avoid
-it. Measured per op in the docstrings/comments below (one core, 4096 tokens, hidden 256).
+it. Measurements: ``bench/results/2026-11-cpu-tuning.md`` (profiled and fixed).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ def linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> ja
     """``x @ weight.T (+ bias)`` over the last dim of ``x`` (weight ``[out, in]``), as one 2-D matmul.
 
     Flattening the leading dims first matters on CPU: XLA's weight gradient of a 3-D einsum
-    contracts two dims and runs at about half the speed of the equivalent 2-D matmul. The bias
-    is added here so its gradient reads the same ``[tokens, out]`` output gradient as the
-    matmul's (a bias added outside made XLA copy a transposed gradient twice).
+    contracts two dims and runs markedly slower than the equivalent 2-D matmul. The bias is
+    added here so its gradient reads the same ``[tokens, out]`` output gradient as the matmul's
+    (a bias added outside makes XLA copy a transposed gradient twice).
     """
     x2 = x.reshape(-1, x.shape[-1])
     y = _matmul_nt(x2, weight) if bias is None else _matmul_nt_bias(x2, weight, bias)
@@ -36,12 +36,11 @@ def _matmul_grads(x: jax.Array, weight: jax.Array, dy: jax.Array) -> tuple[jax.A
     dx = lax.dot_general(dy, weight, nn_dims).astype(x.dtype)
     # dW = dy^T @ x contracts the token dim, the leading dim of both operands. GPU GEMMs take
     # transposed operands at full speed, and so does XLA's CPU backend when the output is not
-    # wider than the input (fc2 16.2 ms plain vs 17.0-17.5 ms with dy copied to row-major
-    # first, the output projection 4.7 ms both ways, at 4096 tokens on one core). When it is
-    # wider (fc1, the fused QKV) the CPU runs the transposed-LHS product well below the
-    # row-major one: copying x to row-major first (the transpose is in the timings) takes fc1's
-    # weight gradient 27 -> 17.6 ms and QKV's 14.7 -> 12.9 ms. The barrier keeps XLA from
-    # folding dW's transpose back into the dot (or its output layout).
+    # wider than the input (fc2, the output projection: a row-major copy of dy first gains
+    # nothing). When it is wider (fc1, the fused QKV) the CPU runs the transposed-LHS product
+    # well below the row-major one, so x is copied to row-major first: the weight gradient is
+    # faster even with the transpose counted. The barrier keeps XLA from folding dW's transpose
+    # back into the dot (or its output layout).
     if jax.default_backend() != "cpu" or dy.shape[1] <= x.shape[1]:
         dw = lax.dot_general(dy, x, (((0,), (0,)), ((), ())))
     else:
@@ -53,8 +52,8 @@ def _row_major_transpose(a: jax.Array) -> jax.Array:
     """``a.T`` materialised row-major by XLA's plain transpose, not fused with ``a``'s producer.
 
     Left to itself XLA fuses the producer of ``a`` (a LayerNorm it recomputes, a bias-GELU)
-    into the transpose, and a fused transpose is a strided elementwise loop: 5.7 vs 1.5 ms for
-    a LayerNorm output of [4096, 256] on one core. Optimization barriers do not stop that
+    into the transpose, and a fused transpose is a strided elementwise loop, several times
+    slower than the plain transpose. Optimization barriers do not stop that
     (XLA's CPU pipeline turns them into scheduling edges), but a conditional's operand is
     always materialised, so the transpose goes in both branches of a ``cond`` on a predicate
     XLA cannot fold (its value does not matter). The barrier on the result keeps XLA from
@@ -92,7 +91,7 @@ _GELU_CUBIC = 0.044715
 def gelu(x: jax.Array) -> jax.Array:
     """The tanh-approximate GELU (``jax.nn.gelu(x, approximate=True)``, Megatron's ``gelu_impl``)
     with a VJP that saves only ``x`` and recomputes ``tanh`` in the backward: autodiff also
-    kept the ``tanh`` buffer, one more full-size ``[tokens, ffn]`` write and read per layer."""
+    keeps the ``tanh`` buffer, one more full-size ``[tokens, ffn]`` write and read per layer."""
     return jax.nn.gelu(x, approximate=True)
 
 

@@ -1,7 +1,7 @@
 """Megatron-style command-line flags of ``launch/pretrain.py`` and their validation (the parser is
 :mod:`core.training.flags`; the configs the validated flags map to, :mod:`core.training.run_config`).
 
-Defaults give a small GPT that trains in a few minutes on a 2-core CPU machine, both under
+Defaults give a small GPT sized to train on a CPU machine with a few cores, both under
 ``mpirun -n 8`` (tp=2, pp=2, dp=2) and in one process (tp=pp=1). Validation depends only on
 the flags and the world size, so every rank reaches the same verdict without communicating.
 Importing this module does not import JAX: the launch path parses its flags before it

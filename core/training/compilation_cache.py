@@ -8,9 +8,9 @@ program, the devices, the XLA flags and the jaxlib version, so a changed model, 
 machine compiles afresh. Only process 0 writes entries (JAX's rule); the others read them.
 
 On the CPU backend JAX's key also holds a topology fingerprint that differs from process to
-process, so in a multi-process CPU job no process but 0 ever found an entry, compiled every
-program again and kept the others waiting at the first collective (measured, 2 processes: no
-gain at all from a warm cache). For CPU programs :func:`enable_compilation_cache` keys that part
+process, so in a multi-process CPU job no process but 0 would find an entry: each would compile
+every program again and keep the others waiting at the first collective, and a warm cache would
+gain nothing. For CPU programs :func:`enable_compilation_cache` keys that part
 by what the compiled code depends on instead (device count, architecture and CPU feature flags,
 so hosts of another ISA do not share entries), the same in every process. GPU keys are JAX's own
 (they are process-invariant already).
@@ -19,9 +19,8 @@ so hosts of another ISA do not share entries), the same in every process. GPU ke
 one step further for a cold cache: the first process compiles each program that spans
 processes and hands the binary to the others through the ``jax.distributed`` key-value store
 (JAX's ``jax_share_binary_between_hosts``), instead of every process compiling it at once. On
-one host the processes share its cores, so N processes compiling together took N times one
-compile (measured, 8 processes on 2 cores, the 8-process GPT test: 225 s cold without, 118 s
-with; 77 s warm).
+one host the processes share its cores, so N processes compiling together take about N times
+one compile. Measurements: ``bench/results/2026-11-startup-cpu.md``.
 """
 
 from __future__ import annotations
@@ -47,10 +46,10 @@ def enable_compilation_cache(directory: str, share_between_processes: bool = Fal
 
     With ``share_between_processes`` and a multi-process job on the CPU backend, process 0
     compiles each multi-process program and the others receive its binary (module docstring).
-    Not on other backends (unmeasured there), and not when XLA splits CPU temp buffers into
-    heaps: such a program cannot be serialized (``core.runtime.cpu_malloc.CACHEABLE_RUN_ITERS``), and
-    the other processes would wait for a binary that never comes. Call after
-    ``jax.distributed`` has started.
+    Not on other backends (its effect there is unknown), and not when XLA splits CPU temp
+    buffers into heaps: such a program cannot be serialized
+    (``core.runtime.cpu_malloc.CACHEABLE_RUN_ITERS``), and the other processes would wait for a
+    binary that never comes. Call after ``jax.distributed`` has started.
     """
     import jax
 

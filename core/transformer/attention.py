@@ -38,8 +38,8 @@ def split_qkv(qkv: jax.Array, layout: str = "bnsd") -> tuple[jax.Array, jax.Arra
     ``[b, s, heads, d]`` (``"bsnd"``, cuDNN's).
 
     Autodiff of the unstacking would pad each gradient to the full ``[3, ...]`` shape and add
-    the three before transposing back (measured ~21 ms per layer at 4096 tokens on one core);
-    the hand-written VJP stacks and transposes once, like the forward (~3 ms).
+    the three before transposing back, several full-size passes per layer; the hand-written VJP
+    stacks and transposes once, like the forward.
     """
     q, k, v = jnp.transpose(qkv, _SPLIT[layout])
     return q, k, v
@@ -52,7 +52,7 @@ def _split_qkv_fwd(qkv: jax.Array, layout: str):
 def _split_qkv_bwd(layout: str, _, grads: tuple[jax.Array, jax.Array, jax.Array]):
     # Transposing each gradient and stacking on a minor axis: XLA's CPU backend emits the single
     # stack-then-transpose, whose result the linear layer flattens to 2-D, as a strided loop
-    # (7.5 vs 1.5 ms for [16, 4, 256, 64] x 3 on one core).
+    # several times slower.
     return (jnp.stack([jnp.transpose(g, _UNSPLIT[layout]) for g in grads], axis=3),)
 
 

@@ -1,16 +1,17 @@
 """Blocked causal attention in XLA ops: flash-style, a (batch x head) chunk at a time.
 
 Plain attention materialises ``[b, heads, s, s]`` scores, probabilities and their gradients;
-on CPU writing those buffers costs more than the matmuls (measured: a fresh 33 MB buffer
-~20 ms on a 2-core VM, the ``Q K^T`` batched matmul writing it at ~20 GFLOP/s vs ~75 when its
-output stays in cache). Here ``lax.map`` walks chunks of ``chunk`` (batch x head) rows, so
-every intermediate is ``[chunk, block, s]``, and a ``custom_vjp`` keeps only the output and
-the row log-sum-exp: the backward recomputes ``P = exp(S - lse)`` per chunk (flash
-attention's backward, ``dS = P * (dP - rowsum(dO * O))``). Query block ``i`` only meets key
-blocks ``0..i``, about half the FLOPs of the full score matrix. Scores and their products
-accumulate in float32 whatever the input dtype. Plain XLA ops, sized for CPU caches: it is the
-CPU path where the C++ kernel of ``core/fusions/fused_attention.py`` does not apply (the
-dispatcher is ``core/transformer/dot_product_attention.py``); on GPUs cuDNN or XLA's attention runs.
+on CPU writing those buffers costs more than the matmuls (a fresh buffer of tens of MB is
+page-faulted in, and the ``Q K^T`` batched matmul writing it runs at a fraction of its speed with
+an output that stays in cache; ``bench/results/2026-11-cpu-tuning.md``). Here ``lax.map`` walks
+chunks of ``chunk`` (batch x head) rows, so every intermediate is ``[chunk, block, s]``, and a
+``custom_vjp`` keeps only the output and the row log-sum-exp: the backward recomputes
+``P = exp(S - lse)`` per chunk (flash attention's backward, ``dS = P * (dP - rowsum(dO * O))``).
+Query block ``i`` only meets key blocks ``0..i``, about half the FLOPs of the full score matrix.
+Scores and their products accumulate in float32 whatever the input dtype. Plain XLA ops, sized
+for CPU caches: it is the CPU path where the C++ kernel of ``core/fusions/fused_attention.py``
+does not apply (the dispatcher is ``core/transformer/dot_product_attention.py``); on GPUs cuDNN
+or XLA's attention runs.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_siz
 
     ``block_size`` is the query/key block (the whole sequence when it does not divide ``s``),
     ``chunk`` the (batch x head) rows per step (the largest divisor of ``b * heads`` up to it).
-    Small chunks keep each step's scores in cache: on one core at 16 x 4 heads x 256 tokens,
-    attention's forward and backward took 37 ms with chunks of 2 rows, 38-42 with 4 and 41 with 8
-    (the whole training step 0.924-0.933 vs 0.937-0.949 s, side by side).
+    Small chunks keep each step's scores in cache: the default of 2 rows is the fastest of the
+    small sizes on one core, by a small margin (``bench/results/2026-11-cpu-tuning.md``).
     """
     b, n, s, d = q.shape
     rows = b * n

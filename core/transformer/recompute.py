@@ -5,8 +5,8 @@
   linear layers: QKV, attention projection, MLP fc1/fc2) and reruns the rest: core attention
   (its scores are a batched matmul or a fused kernel), the experts' grouped GEMMs (batched over
   experts), norms, activations, dropout and the residual adds. Like Megatron's selective
-  recompute of core attention, it reruns a small share of the layer's FLOPs (6% of the step of
-  the ~1.2B benchmark GPT on an H100, docs/gpu-performance.md).
+  recompute of core attention, it reruns a small share of the layer's FLOPs
+  (``bench/results/2026-11-gpu.md``).
 """
 
 from __future__ import annotations

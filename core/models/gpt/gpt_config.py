@@ -25,7 +25,7 @@ class GPTConfig(TransformerConfig):
     """Tie the output layer to the word embedding (Megatron's default)."""
     unroll_layers: bool = True
     """Unroll the loop over a chunk's layers: faster steps (a rolled ``lax.scan`` stacks every
-    layer's residuals, 20% of a CPU step here), compile time linear in the layer count."""
+    layer's residuals, a sizeable share of a CPU step), compile time linear in the layer count."""
 
     @property
     def vocab_rows(self) -> int:

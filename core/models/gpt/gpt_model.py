@@ -163,8 +163,8 @@ class GPTModel:
         bare tokens also accepted) to ``[s(/tp), b, h]`` activations."""
         tokens = microbatch["tokens"] if isinstance(microbatch, dict) else microbatch
         # The tables are read in the params' dtype and the result cast: the lookup's backward then
-        # scatter-adds the tokens' gradients in fp32. A bf16 scatter-add rounds at every add, and
-        # took 8.4 ms per microbatch of the ~1.2B benchmark GPT on an H100 (docs/gpu-performance.md).
+        # scatter-adds the tokens' gradients in fp32. A bf16 scatter-add rounds at every add and is
+        # slow on GPUs; the fp32 one is exact and fast (bench/results/2026-11-gpu.md).
         x = self.embedding.apply({"params": shared["embedding"]}, tokens, self.context(microbatch))
         return x.astype(self.config.compute_dtype)
 

@@ -15,11 +15,12 @@ batched matmuls:
   windows, fewer than ``M / window``, as one batched matmul with their groups' weights gathered.
 
 Work: ``G x window`` rows, plus about ``M`` when a group overflows; padding rows past the groups
-(the all-to-all's worst-case buffer) cost only the final gather. (A scan over small row blocks,
-the previous CPU path, paid a fixed cost per block that made it 3-6x a dense matmul of the same
-FLOPs; these batched matmuls run at the dense matmul's speed.) A custom VJP keeps the backward
-lean: rows move into windows and back with gathers whose transposes are the inverse gathers
-(XLA:CPU's scatter-add is an element loop), and pass 2 is recomputed under its own ``lax.cond``
+(the all-to-all's worst-case buffer) cost only the final gather. (A scan over small row blocks
+pays a fixed cost per block that makes it several times slower than a dense matmul of the same
+FLOPs; these batched matmuls run at the dense matmul's speed, see
+``bench/results/2026-11-moe-cpu.md``.) A custom VJP keeps the backward lean: rows move into
+windows and back with gathers whose transposes are the inverse gathers (XLA:CPU's scatter-add
+is an element loop), and pass 2 is recomputed under its own ``lax.cond``
 (differentiating through the forward's ``cond`` would fill its residuals and weight gradients
 with zeros every step even when pass 2 does not run). Results and gradients equal
 ``ragged_dot``'s up to float rounding (the same per-row products).

@@ -120,9 +120,9 @@ def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Arra
 
     The backward gathers instead of scatter-adding: the cotangent's rows back in ``x``'s order
     (``g[inverse]``), each row's ``k`` copies summed in fp32. Autodiff of the gather would
-    scatter-add the rows in the activations' dtype; a bf16 scatter-add is an atomic
-    compare-and-swap loop on a GPU (the embedding's took 40 ms for 8192 rows on an H100,
-    docs/gpu-performance.md) and an element loop on the CPU.
+    scatter-add the rows in the activations' dtype; a bf16 scatter-add is a slow atomic
+    compare-and-swap loop on a GPU (``bench/results/2026-11-gpu.md``) and an element loop on the
+    CPU.
     """
     return x[order // (order.shape[0] // x.shape[0])]
 
