@@ -192,11 +192,11 @@ def measure(model_flags: list[str], devices: int, steps: int, reps: int, workdir
 def measure_one_copy(model_flags: list[str], devices: int, steps: int, workdir: str) -> dict[str, Any]:
     """:func:`measure`'s row for a model of which the device holds one training state only
     (``bench/gpu.py``'s ~1.2B GPT on one GPU: ~20 GB of params, grads and Adam, plus the save's
-    copy), at the least time and disk a GPU lease allows (each checkpoint is ~14.5 GB): one
+    copy), at the least time and disk (each checkpoint is ~14.5 GB): one
     synchronous save, loaded back into the training model itself (once to compile, once timed),
     then deleted; the writer process started by one async save, then one timed async save followed
     by ``steps`` steps against the same steps alone. Three writes, at most two checkpoints on
-    disk at once; each phase is printed as it ends (a lease's timeout keeps what ran)."""
+    disk at once; each phase is printed as it ends (a run cut short by a timeout keeps what ran)."""
     import jax
 
     from core.checkpointing import CheckpointSaver
@@ -269,8 +269,8 @@ def memory(trainer: Any, loader: Any) -> dict[str, float]:
     distributed optimizer's own state, the save's copy (its outputs: params + the optimizer
     state's global form, split over dp) and the temporaries of ``trainer``'s program that makes
     it, the temporaries of ``loader``'s conversion back into the optimizer's shards (after a
-    load), and the whole optimizer state (what every rank held while converting whole buckets at
-    once, before 2026-11-27's evening change)."""
+    load), and the whole optimizer state (what every rank would hold converting whole buckets at
+    once)."""
     import jax
     import numpy as np
 

@@ -78,9 +78,9 @@ MIB = 1024 * 1024
 COMM_TYPES = ("p2p", "all_gather")  # as core.context_parallel.COMM_TYPES (imported with JAX, later)
 DEFAULT_OUT = str(ROOT / "bench" / "results" / "context_parallel_cpu.md")
 TARGET_MEMORY_RATIO = 0.3
-"""Attention memory per device at cp=4 over cp=1 (issue 31)."""
+"""Target: attention memory per device at cp=4 over cp=1."""
 TARGET_IMBALANCE = 0.05
-"""Load-balanced per-rank step-time imbalance, max / min - 1 (issue 31)."""
+"""Target: load-balanced per-rank step-time imbalance, max / min - 1."""
 
 
 # -- the programs ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@
    batch is ``next_train_batch``: the sampler's next ``global_batch_size`` samples, their
    ``tokens``, ``labels`` and ``loss_mask`` stacked into numpy arrays and put on the devices
    (``jax.make_array_from_callback`` over the data-parallel sharding).
-   Side by side, round-robin with it: the text-corpus loader the pretraining loop uses today
+   Side by side, round-robin with it: the text-corpus loader of the pretraining loop
    (``PretrainingData.next_train_batch``) and one training step of ``Pretrainer`` with the
    ``launch/pretrain.py`` defaults in one process (tp=pp=1, the CPU devices and malloc settings
    of the launch path). Medians; the share is loader / step (target < 2%).
@@ -297,7 +297,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     f"{BLEND_WEIGHTS[0]}/{BLEND_WEIGHTS[1]} of 2 `GPTDataset`s, {args.global_batch_size} x "
                     f"{args.seq_length}, tokens/labels/loss_mask, to {n} devices",
         "megatron_host": "of which samples and numpy stacking (the rest: to the devices)",
-        "text": "text-corpus loader today (`PretrainingData.next_train_batch`)",
+        "text": "text-corpus loader (`PretrainingData.next_train_batch`)",
         "step": f"training step, `launch/pretrain.py` defaults, tp=pp=1, dp={n} ({jax.devices()[0].platform})"}
     share = statistics.median(times["megatron"]) / statistics.median(times["step"])
     load_table = loader_table(times, describe)

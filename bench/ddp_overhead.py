@@ -13,8 +13,7 @@ the same GPT on one device.
 
 The same model, parameters and batch; each variant's step is the median over ``--steps`` of
 ``--steps`` back-to-back steps per round (dispatch then wait), rounds alternating between the
-variants. Prints one JSON line (``package_ms``, ``plain_ms``, ``ratio``). The GPU issue's goal:
-ratio <= 1.03.
+variants. Prints one JSON line (``package_ms``, ``plain_ms``, ``ratio``). Target: ratio <= 1.03.
 """
 
 from __future__ import annotations

@@ -75,10 +75,10 @@ def cases(world: int, has_torch: bool) -> list[tuple[str, str, str, list[str]]]:
 
 
 def run_rounds(worlds: list[int], has_torch: bool, rounds: int, timeout: int) -> list[dict]:
-    """Every case at every world size, ``rounds`` times over (round-robin, so a slow spell of this
-    VM hits different cases); per case the round with the lowest median step time, every round's
-    median kept under ``round_step_times_s``. The VM's neighbours slow whole launches by up to 2x
-    at random, and the fastest round is the least disturbed estimate, for each implementation alike."""
+    """Every case at every world size, ``rounds`` times over (round-robin, so a slow spell of the
+    host hits different cases); per case the round with the lowest median step time, every round's
+    median kept under ``round_step_times_s``. On a shared host other jobs slow whole launches at
+    random, and the fastest round is the least disturbed estimate, for each implementation alike."""
     results: dict[tuple, list[dict]] = {}
     for i in range(rounds):
         for world in worlds:

@@ -19,20 +19,21 @@ memory at start):
    ``--scan-layers``), one launch per setting, most telling first (``--sweep-settings``).
 5. The GPU test set (``pytest -m gpu tests/test_gpu.py``; ``--no-tests`` skips it).
 6. ``--ddp-overhead``: ``bench/ddp_overhead.py --gpt-1b --bf16``: the package's step against a
-   plain jitted step of the same GPT at dp = 1 (the GPU issue's goal: within 3%).
+   plain jitted step of the same GPT at dp = 1 (target: within 3%).
 7. ``--checkpoint``: ``bench/checkpoint.py --gpu --devices 1``: checkpoint save and load time
-   and size by model size, and the step-time stall of an async save (the checkpoint issue's
-   target: <= 10% of a step for the default model).
+   and size by model size, and the step-time stall of an async save (target: <= 10% of a step
+   for the default model).
 8. ``--moe``: a MoE GPT (12 layers, hidden 1024, 8 experts top-2 of FFN 2048, dropless
    all-to-all, ``ragged_dot`` grouped GEMM, balanced routing by
    ``--moe-router-force-load-balancing``) and the dense GPT of equal active parameters (FFN
-   4096), and their step-time ratio (the MoE issue's target: <= 1.5x).
+   4096), and their step-time ratio (target: <= 1.5x).
 
-``--no-gpt`` skips steps 2 and 3 (a lease's second call; written to
+``--no-gpt`` skips steps 2 and 3 (a second call after a run that had them; written to
 ``gpu_<device>_moe_checkpoint.md``). ``--deadline-s`` starts no step after that many seconds
-(a lease's command limit): the report says what was skipped, and is rewritten as each step
-ends. Writes ``bench/results/gpu_<device>.md`` (``--out``) and prints it. ``--smoke`` runs the
-same steps with tiny shapes (it runs on the CPU too: the test suite checks the script that way).
+(to fit a time limit on the command): the report says what was skipped, and is rewritten as
+each step ends. Writes ``bench/results/gpu_<device>.md`` (``--out``) and prints it. ``--smoke``
+runs the same steps with tiny shapes (it runs on the CPU too: the test suite checks the script
+that way).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shapes: check the script (CPU or GPU)")
     p.add_argument("--no-tests", action="store_true", help="skip the GPU test set")
     p.add_argument("--no-gpt", action="store_true", help="skip the attention timing and the ~1.2B GPT (steps 3 "
-                   "and 4): with --moe and/or --checkpoint, a second call of a lease")
+                   "and 4): with --moe and/or --checkpoint, a second call after a run that had them")
     p.add_argument("--no-kernels", action="store_true", help="skip the attention and embedding timings (measured "
                    "before): the GPT run alone, the baseline of a sweep")
     p.add_argument("--iters", type=int, default=30, help="GPT training iterations")
@@ -70,7 +71,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--moe-runs", default="dense,ragged_dot,windows", help="--moe's launches, in order: the dense "
                    "GPT and the MoE GPT's grouped GEMM implementations (--profile traces the first MoE one)")
     p.add_argument("--ddp-overhead", action="store_true", help="also time the package's step against a plain "
-                   "jitted step of the GPT at dp = 1 (bench/ddp_overhead.py; the GPU issue's goal: <= 3%%)")
+                   "jitted step of the GPT at dp = 1 (bench/ddp_overhead.py; target: <= 3%%)")
     p.add_argument("--checkpoint-gpt", action="store_true", help="also the checkpoint benchmark and async-save "
                    "stall of the ~1.2B GPT (one round, 20 steps after the save)")
     p.add_argument("--checkpoint", action="store_true", help="also measure checkpoints and the async-save stall "
@@ -82,8 +83,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
                    "telling first; 15 in all)")
     p.add_argument("--sweep-skip", type=int, default=0, help="skip the sweep's first settings (measured before)")
-    p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (a "
-                   "lease's command limit): the report keeps what ran; each step's report is written as it ends")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (to fit "
+                   "a time limit on the command): the report keeps what ran; each step's report is written as it "
+                   "ends")
     p.add_argument("--out", default=None, help="markdown file (default bench/results/gpu_<device>.md)")
     p.add_argument("--part", choices=["info", "attention", "embedding", "checkpoint", "checkpoint-gpt"], default=None,
                    help=argparse.SUPPRESS)  # a child step
@@ -379,8 +381,8 @@ def sweep_settings(a: argparse.Namespace, data_prefix: str = "DATA") -> list[tup
             name += f", vocabulary {vocab} + EOD (random ids)"
         return name, flags, xla
 
-    # The first six were measured on an H100 first (docs/gpu-performance.md); then one microbatch
-    # per step (no gradient accumulation), and the optimizer step amortised over 4x the batch.
+    # The most telling first (bench/results/2026-11-gpu.md); then one microbatch per step (no
+    # gradient accumulation), and the optimizer step amortised over 4x the batch.
     return [setting("scanned", m), setting("scanned", m, "selective"), setting("scanned", m, "full"),
             setting("scanned", half), setting("unrolled", m, "selective"), setting("scanned", double, "selective"),
             setting("unrolled", double), setting("unrolled", m, batch=4 * gb), setting("unrolled", double, "selective"),
@@ -451,7 +453,7 @@ def ddp_overhead_report(record: dict) -> list[str]:
 
 
 STALL_TARGET = 0.10
-"""The checkpoint issue's target: an async save stalls the steps by at most this share of a step."""
+"""The target: an async save stalls the steps by at most this share of a step."""
 
 
 def _bench_checkpoint():
@@ -566,9 +568,9 @@ def _child(part: str, a: argparse.Namespace, timeout: float = 900, out: Path | N
 
 def _run_json(cmd: list[str], timeout: float) -> dict | list:
     """Run ``cmd`` (a script whose last output line is JSON) and return that JSON; a failed step
-    gives ``{"error": ...}`` (the run goes on: a GPU lease has no time for reruns). The step's
-    temporary files go to a directory removed when it ends, killed or not: a killed checkpoint
-    step would otherwise leave its ~15 GB checkpoints on the lease machine's disk for the next."""
+    gives ``{"error": ...}`` (the run goes on: the other steps' figures stand without it). The
+    step's temporary files go to a directory removed when it ends, killed or not: a killed
+    checkpoint step would otherwise leave its ~15 GB checkpoints on the machine's disk."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**_env(), "TMPDIR": tmp},

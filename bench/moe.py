@@ -77,9 +77,9 @@ from timing import BenchRun, round_robin_medians  # noqa: E402
 DEFAULT_OUT = ROOT / "bench" / "results" / "moe_cpu.md"
 """The one-process report (under mpirun: ``moe_processes_<platform>.md``)."""
 TARGET_STEP_RATIO = 1.5
-"""MoE step time over the dense model of equal active parameters at ep = 1 (issue 32)."""
+"""Target: MoE step time over the dense model of equal active parameters at ep = 1."""
 TARGET_DISPATCH_SHARE = 0.25
-"""Dispatch + combine share of the MoE step at ep = 8 (issue 32)."""
+"""Target: dispatch + combine share of the MoE step at ep = 8."""
 
 
 # -- 1. the training step ----------------------------------------------------------------------

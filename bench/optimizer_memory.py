@@ -13,8 +13,8 @@ and reads XLA's ``memory_analysis`` of the compiled program (deterministic, noth
 * **step's inputs**: the compiled step's argument bytes per device: params, optimizer state and
   the micro-batches, and any constant the step takes;
 * **extra**: inputs minus params, optimizer state and batch: 0 when the step holds nothing
-  beside the state (until 2026-11-28 the distributed optimizer's three per-element masks of
-  every whole bucket, 3 bytes per parameter on every device, were here);
+  beside the state (per-element masks of whole buckets, for instance, 3 bytes per parameter on
+  every device, would show here);
 * **temporaries**: the step's scratch memory (activations, gradients, collectives' buffers).
 
 Prints a table and writes ``bench/results/optimizer_memory.md`` (``--out``).

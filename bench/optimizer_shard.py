@@ -1,6 +1,6 @@
 """The distributed optimizer's fp32 param shard, built two ways side by side on one device (any
 backend): from the params that overlap it (the package's ``flatten_bucket_shard``) and cut out
-of the whole flat bucket with a ``dynamic_slice`` (the package until 2026-11-28).
+of the whole flat bucket with a ``dynamic_slice`` (the simpler alternative, for comparison).
 
     python bench/optimizer_shard.py                                    # CPU: hidden 512 x 4 layers
     python bench/optimizer_shard.py --hidden-size 2048 --num-layers 24 # a GPU: the ~1.2B GPT's params

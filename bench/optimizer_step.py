@@ -7,7 +7,7 @@ Everything a data-parallel training step does after the backward: the gradient r
 the global norm and clipping, AdamW, the parameter update. The parameters are the end-to-end
 benchmark GPT's (4 layers, hidden 256: 3.3M in 16 arrays) and the loss is linear in them, so
 the forward and backward cost next to nothing and the step time is this part. The variants,
-built in one process and called in turn (round-robin, so the VM's slow spells hit them alike),
+built in one process and called in turn (round-robin, so the host's slow spells hit them alike),
 median per variant:
 
 * ``package``: ``DistributedDataParallel.make_train_step`` as ``launch/pretrain.py`` builds it

@@ -4,11 +4,11 @@
     python bench/snapshot_dispatch.py --smoke                 # tiny model, checks the script (CPU)
 
 An async save's blocking part is the dispatch of the program that copies the training state
-(``Checkpointer.checkpoint_state``). On an H200 (2026-11-28) it was 0.98 ms, 33% of the default
-model's 3 ms step, so the checkpoint issue's target (a stall <= 10% of that step) is out of
-reach for it. This measures, side by side in one process on the default backend's first device,
-the default model (``launch/pretrain.py``'s, distributed optimizer), what other designs would
-cost, before any of them is built:
+(``Checkpointer.checkpoint_state``). On a GPU that dispatch alone is a large share of the
+default model's short step, more than a stall target of 10% of a step allows
+(``bench/results/2026-11-gpu.md``). This measures, side by side in one process on the default
+backend's first device, the default model (``launch/pretrain.py``'s, distributed optimizer),
+what other designs would cost, before any of them is built:
 
 * **dispatch** (median ms, the caller's time until the program is enqueued): the training step;
   the snapshot as it is (one output per leaf: params, the optimizer state's global form);
