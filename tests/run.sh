@@ -14,10 +14,11 @@ OUT=${TEST_OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cpu
-# Most of this suite's time is XLA compiling small programs that then run for milliseconds: with
-# LLVM's optimizations off (JAX's own switch) it took 15% less time on 2 cores (32.3 -> 27.6 min,
-# 2026-11-28). The launch/pretrain.py jobs of tests/test_pretrain_cli.py, which train for tens of
-# iterations, set it to 0: they keep the optimizations.
+# Most of this suite's time is XLA compiling small programs that then run for milliseconds, so
+# LLVM's optimizations are off (JAX's own switch): compiles are shorter and the programs barely
+# slower (bench/results/2026-11-startup-cpu.md). The launch/pretrain.py jobs of
+# tests/test_pretrain_cli.py, which train for tens of iterations, set it to 0: they keep the
+# optimizations.
 export JAX_DISABLE_MOST_OPTIMIZATIONS=${JAX_DISABLE_MOST_OPTIMIZATIONS:-1}
 
 # Two pytest-xdist workers (TEST_WORKERS) share level 1 file by file: most of its time is XLA
@@ -34,7 +35,7 @@ rm -rf "$MCJ_TEST_CACHE_DIR"
 
 if [ "${1:-}" = quick ]; then
     shift
-    # The unit tests of each subsystem: about 290 s of worker time, 2.7 min on 2 cores (2026-11-28).
+    # The unit tests of each subsystem.
     # Left to the full command: mpi tests, the launch/pretrain.py, benchmark and example jobs,
     # whole-trainer runs, and the slowest variants of the equivalence tests listed below.
     QUICK_FILES=(
