@@ -253,3 +253,21 @@ def test_moe_flags_map_onto_the_config():
     assert model_config(parse_args([])).moe is None  # dense without --num-experts
     assert model_config(parse_args(["--num-experts", "4", "--moe-layer-freq", "2", "--num-layers", "4"])) \
         .moe_layer_pattern == (True, False, True, False)
+
+
+def test_every_model_field_is_read_from_a_flag():
+    """A GPTConfig field is the flag of the same name unless MODEL_FLAG_RULES says how it is read:
+    a new model option is a field and a flag, and model_config needs no edit."""
+    import dataclasses
+
+    from core.models.gpt import GPTConfig
+    from core.training.arguments import MODEL_FLAG_RULES, model_config
+
+    args = parse_args(["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--swiglu",
+                       "--norm-epsilon", "0.01", "--untie-embeddings-and-output-weights"])
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    assert {name for name in fields if name not in MODEL_FLAG_RULES and not hasattr(args, name)} == set()
+    assert set(MODEL_FLAG_RULES) <= fields
+    config = model_config(args, vocab_size=300)
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads, config.swiglu) == (3, 48, 6, True)
+    assert (config.layernorm_epsilon, config.share_embeddings_and_output_weights, config.vocab_size) == (0.01, False, 300)

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from core.training.flags import (  # noqa: F401 (the parser's names, re-exported)
     EXIT_SIGNALS,
@@ -436,27 +436,33 @@ def recompute_granularity(args: argparse.Namespace) -> str | None:
     return args.recompute_granularity or ("selective" if args.recompute_activations else None)
 
 
+MODEL_FLAG_RULES: dict[str, Any] = {
+    "vocab_size": lambda args, vocab: vocab,
+    "padded_vocab_size": lambda args, vocab: padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
+                                                               args.tensor_model_parallel_size or 1),
+    "num_query_groups": lambda args, _: args.num_query_groups if args.group_query_attention else None,
+    "layernorm_epsilon": lambda args, _: args.norm_epsilon,
+    "add_bias_linear": lambda args, _: not args.disable_bias_linear,
+    "share_embeddings_and_output_weights": lambda args, _: not args.untie_embeddings_and_output_weights,
+    "recompute_granularity": lambda args, _: recompute_granularity(args),
+    "unroll_layers": lambda args, _: not args.scan_layers,
+    "moe": lambda args, _: moe_config(args),
+    "moe_layer_freq": lambda args, _: 1 if args.moe_layer_freq is None else args.moe_layer_freq,
+}
+"""How a :class:`GPTConfig` field whose flag differs in name or meaning is read, ``rule(args,
+vocab_size)``; every other field is the flag of the same name (a new model option is a
+``GPTConfig`` field and a flag, nothing else)."""
+
+
 def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
-    """The :class:`GPTConfig` the flags describe."""
+    """The :class:`GPTConfig` the flags describe (with the tokenizer's ``vocab_size``)."""
     from core.models.gpt import GPTConfig
 
-    tp = args.tensor_model_parallel_size or 1
-    return GPTConfig(
-        vocab_size=vocab_size, padded_vocab_size=padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, tp),
-        num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        seq_length=args.seq_length, position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base, rotary_percent=args.rotary_percent,
-        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
-        add_bias_linear=not args.disable_bias_linear, attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout, init_method_std=args.init_method_std,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        sequence_parallel=args.sequence_parallel, context_parallel_size=args.context_parallel_size,
-        cp_comm_type=args.cp_comm_type, recompute_granularity=recompute_granularity(args),
-        bf16=args.bf16,
-        unroll_layers=not args.scan_layers, moe=moe_config(args),
-        moe_layer_freq=1 if args.moe_layer_freq is None else args.moe_layer_freq)
+    values = {}
+    for field in dataclasses.fields(GPTConfig):
+        rule = MODEL_FLAG_RULES.get(field.name)
+        values[field.name] = rule(args, vocab_size) if rule is not None else getattr(args, field.name)
+    return GPTConfig(**values)
 
 
 # The GPTConfig fields whose names are not their flags' (messages of GPTConfig.validate name fields).
