@@ -25,6 +25,10 @@ value: use ``jax.lax.axis_index(get_tensor_model_parallel_axis_name())`` and fri
 
 Everything below is a thin facade over an immutable :class:`ParallelState`, so code and
 tests can build and pass a state explicitly (see :func:`build_parallel_state`).
+
+The module is long (about 600 lines) because it keeps Megatron's single ``parallel_state``
+module: the rank generator, the state, and Megatron's thirty-odd getters users call by
+name, each a one-line facade; splitting them would scatter one API over several imports.
 """
 
 from __future__ import annotations

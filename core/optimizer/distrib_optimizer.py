@@ -27,6 +27,11 @@ inside the chain) would see shards instead; global-norm clipping is done here, a
 ranks, before the transformation. Weight decay with a per-element mask is provided by
 :func:`core.optimizer.optimizer_config.get_optax_transformation` when given an
 ``OptimizerConfig``.
+
+The module is long (about 670 lines) because the shard layout is one concern seen from three
+sides that must agree element for element: the step on bucket shards, the norms and flags per
+shard, and the conversions between the shards and the layout-independent form checkpoints
+store (chunked so their temporaries stay bounded); each side reads the same shard arithmetic.
 """
 
 from __future__ import annotations
