@@ -51,7 +51,7 @@ LLAMA = ("--normalization", "RMSNorm", "--swiglu", "--group-query-attention", "-
          "--ffn-hidden-size", "160", "--make-vocab-size-divisible-by", "96")
 
 
-# (tp, pp, extra flags): every layout of 8 devices the issue names, with and without the
+# (tp, pp, extra flags): every layout of 8 devices, with and without the
 # distributed optimizer and sequence parallelism, plus interleaving.
 LAYOUTS = [
     (1, 1, ()),

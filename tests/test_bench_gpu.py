@@ -1,4 +1,4 @@
-"""``bench/gpu.py`` is run once per GPU lease with no chance to debug there: its CPU smoke run
+"""``bench/gpu.py`` runs on a GPU machine with no chance to debug there: its CPU smoke run
 (every step, tiny shapes) must work and write its report."""
 
 import json
@@ -46,7 +46,7 @@ def test_gpu_benchmark_smoke_run_writes_its_report(tmp_path):
 
 
 def test_no_gpt_skips_attention_and_the_gpt_and_the_deadline_skips_the_rest(tmp_path):
-    # A lease's second call: steps 3 and 4 skipped; past --deadline-s every later step says it was skipped.
+    # A second call on the same machine: steps 3 and 4 skipped; past --deadline-s every later step says it was skipped.
     out = tmp_path / "second.md"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("JAX_NUM_CPU_DEVICES", None)

@@ -1,4 +1,4 @@
-"""Megatron's call forms on the package (issue 29): package exports, the DDP facade
+"""Megatron's call forms on the package: package exports, the DDP facade
 (``disable_bucketing``, ``forward``, ``state_dict``, ``scale_gradients`` after the sync, expert-safe
 ``broadcast_params``), ``finalize_model_grads(model_chunks, num_tokens)`` through the Megatron
 loop example, and the rng that ``make_train_step`` hands the loss function."""

@@ -1,4 +1,4 @@
-"""The Megatron-style loop example across 8 real processes equals one device (issue 29)."""
+"""The Megatron-style loop example across 8 real processes equals one device."""
 
 import os
 import sys

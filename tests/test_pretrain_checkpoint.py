@@ -121,7 +121,7 @@ def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypa
     assert load.temp_size_in_bytes < 2.5 * largest
 
 
-# (tp, pp, devices, extra) of the chunked conversions: the issue's layout; dp 8 in two instances
+# (tp, pp, devices, extra) of the chunked conversions: tp 2 x pp 4; dp 8 in two instances
 # of the partial distributed optimizer; dp 1 (no storage split: chunks of the last dimension); experts
 # (their reduction over expert-data-parallel ranks only). Two layers where pp allows: the chunks'
 # slices are traced and compiled one by one, and twice the layers took twice the time.

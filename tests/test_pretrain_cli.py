@@ -128,7 +128,7 @@ def _rank_pids(sid):
 
 KILL_FLAGS = SMALL + ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "1",
                       "--use-distributed-optimizer", "--train-iters", "12"]
-# CI runs trial 0; MCJ_KILL_TRIALS=20 runs the twenty (each ~1.5 min on 2 cores).
+# CI runs trial 0; MCJ_KILL_TRIALS=20 runs twenty (each about 1.5 min on 2 cores).
 KILL_TRIALS = range(int(os.environ.get("MCJ_KILL_TRIALS", "1")))
 
 

@@ -343,7 +343,7 @@ def indexed_llama_reference(bpe, prefixes):
 
 
 def test_llama_on_indexed_data_is_layout_invariant(bpe, prefixes, indexed_llama_reference):
-    """The issue's user path: data preprocessed with a BPE, a Llama-class model with Megatron's
+    """A user's path: data preprocessed with a BPE, a Llama-class model with Megatron's
     flags, every batch field (document mask, reset positions, EOD loss mask): the same losses at
     tp=2 (SP), pp=2, dp=2 as on one device."""
     losses = _indexed_llama_losses(bpe, prefixes, 2, 2, jax.devices(), "--sequence-parallel")
