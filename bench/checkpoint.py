@@ -277,10 +277,11 @@ def memory(trainer: Any, loader: Any) -> dict[str, float]:
     device = trainer.ddp.mesh.devices.flat[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
                                  if s.device == device)
-    copy = trainer.checkpointer._checkpoint_copy or trainer.checkpointer._make_checkpoint_copy(trainer.training_state())
+    checkpointer = trainer.checkpointer
+    copy = checkpointer._checkpoint_copy or checkpointer._make_checkpoint_copy(trainer.training_state())
     copy = copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile().memory_analysis()
     target = loader.optimizer.global_state_abstract()
-    load = loader.ddp._programs["opt_from_global"].lower(target).compile().memory_analysis()
+    load = loader.optimizer.conversion_program("from_global").lower(target).compile().memory_analysis()
     return {"opt_shard_mib": on_device(trainer.opt_state) / MIB, "copy_mib": copy.output_size_in_bytes / MIB,
             "copy_temp_mib": copy.temp_size_in_bytes / MIB, "load_temp_mib": load.temp_size_in_bytes / MIB,
             "whole_opt_mib": sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(target)) / MIB,

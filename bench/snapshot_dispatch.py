@@ -82,7 +82,7 @@ def programs(trainer: Any) -> dict[str, Callable]:
              "opt_state": jax.tree.map(lambda x: x.sharding.spec, abstract)}
     if trainer.moe_state is not None:
         specs["moe_state"] = jax.tree.map(lambda x: x.sharding.spec, trainer.moe_state)
-    out = {"per leaf (as now)": trainer._make_checkpoint_copy(),
+    out = {"per leaf": trainer.checkpointer._make_checkpoint_copy(trainer.training_state()),
            "packed by dtype": jax.jit(lambda *a: pack_by_dtype(gather(*a), specs, ddp.mesh))}
     device = ddp.mesh.devices.flat[0]
     if any(m.kind == "pinned_host" for m in device.addressable_memories()):

@@ -38,7 +38,7 @@ def test_snapshot_designs_measure_the_same_bytes():
     import numpy as np
 
     rows = bench.measure(bench.SMOKE_MODEL, reps=2)
-    assert [r["program"] for r in rows[:3]] == ["step", "per leaf (as now)", "packed by dtype"]
+    assert [r["program"] for r in rows[:3]] == ["step", "per leaf", "packed by dtype"]
     for r in rows:  # the step has no outputs to stage
         keys = ("dispatch", "run") + (("wall", "cpu") if r["outputs"] else ())
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in keys), r
@@ -49,7 +49,7 @@ def test_snapshot_designs_measure_the_same_bytes():
     trainer = bench_checkpoint._trainer(bench.SMOKE_MODEL, 1, [])
     programs = bench.programs(trainer)
     args = (trainer.params, trainer.opt_state, trainer.moe_state)
-    leaves = jax.tree.leaves(programs["per leaf (as now)"](*args))
+    leaves = jax.tree.leaves(programs["per leaf"](*args))
     blocks = programs["packed by dtype"](*args)
     for dtype, block in blocks.items():
         expected = np.concatenate([np.asarray(x).reshape(-1) for x in leaves if str(x.dtype) == dtype])

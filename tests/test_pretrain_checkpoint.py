@@ -117,7 +117,7 @@ def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypa
     save = t.checkpointer._checkpoint_copy.lower(t.params, t.opt_state, t.moe_state).compile().memory_analysis()
     assert save.temp_size_in_bytes < 1.5 * largest
     t.optimizer.state_from_global(state["opt_state"])
-    load = t.optimizer._programs["from_global"].lower(state["opt_state"]).compile().memory_analysis()
+    load = t.optimizer.conversion_program("from_global").lower(state["opt_state"]).compile().memory_analysis()
     assert load.temp_size_in_bytes < 2.5 * largest
 
 
@@ -143,8 +143,8 @@ def test_converting_in_chunks_gives_the_same_state_and_bounds_the_temporaries(mo
     t = _trainer(tp, pp, "--use-distributed-optimizer", *extra, devices=devices)
     t.step()
     whole = t.optimizer.state_to_global(t.opt_state)
-    temps = lambda: (t.optimizer._programs["to_global"].lower(t.opt_state).compile().memory_analysis().temp_size_in_bytes,
-                     t.optimizer._programs["from_global"].lower(whole).compile().memory_analysis().temp_size_in_bytes)
+    temps = lambda: (t.optimizer.conversion_program("to_global").lower(t.opt_state).compile().memory_analysis().temp_size_in_bytes,
+                     t.optimizer.conversion_program("from_global").lower(whole).compile().memory_analysis().temp_size_in_bytes)
     t.optimizer.state_from_global(whole)
     save_whole, load_whole = temps()
     limit = 2048

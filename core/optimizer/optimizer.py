@@ -159,21 +159,30 @@ class MegatronOptimizer:
         and over the data-parallel ranks (:meth:`_storage_splits`); distributed shards go
         straight into those blocks, a group of parameters after the other (about the largest
         parameter's state in temporaries, not the whole state). What checkpoints store."""
-        opt = self.inner
-        _, specs, splits = self._storage_splits()
-        fn = lambda s: opt.state_to_global(opt.state_to_local(s), splits)
-        return self._program("to_global", lambda: jax.jit(self.model.shard_map(
-            fn, (self.state_specs,), specs)))(opt_state)
+        return self.conversion_program("to_global")(opt_state)
 
     def state_from_global(self, global_state: Any) -> Any:
         """Inverse of :meth:`state_to_global` into this model's layout (each data-parallel rank
         copies its shards out of the leaves when distributed, one leaf after the other), from a
         state written in any layout."""
-        opt = self.inner
-        _, specs, splits = self._storage_splits()
-        fn = lambda s: opt.state_from_local(opt.state_from_global(s, splits))
-        return self._program("from_global", lambda: jax.jit(self.model.shard_map(
-            fn, (specs,), self.state_specs)))(global_state)
+        return self.conversion_program("from_global")(global_state)
+
+    def conversion_program(self, direction: str) -> Callable:
+        """The jitted program of :meth:`state_to_global` (``"to_global"``) or
+        :meth:`state_from_global` (``"from_global"``), built once; its ``lower(...)`` shows the
+        conversion's memory (``compile().memory_analysis()``) without running it."""
+        def build() -> Callable:
+            opt = self.inner
+            _, specs, splits = self._storage_splits()
+            if direction == "to_global":
+                fn = lambda s: opt.state_to_global(opt.state_to_local(s), splits)
+                return jax.jit(self.model.shard_map(fn, (self.state_specs,), specs))
+            fn = lambda s: opt.state_from_local(opt.state_from_global(s, splits))
+            return jax.jit(self.model.shard_map(fn, (specs,), self.state_specs))
+
+        if direction not in ("to_global", "from_global"):
+            raise ValueError(f"direction must be 'to_global' or 'from_global', not {direction!r}")
+        return self._program(direction, build)
 
     def global_state_abstract(self) -> Any:
         """``jax.ShapeDtypeStruct`` tree (global shapes, shardings on this mesh) of
