@@ -62,7 +62,7 @@ def _trainer(model_flags: list[str], devices: int, extra: list[str]) -> Any:
                        "--no-progress-bar", *extra])
     layout = validate_args(args, devices)
     state = ps.build_parallel_state(1, 1, devices=jax.devices()[:devices])
-    return Pretrainer(pretrain_config(args, layout), layout, state)
+    return Pretrainer(pretrain_config(args), layout, state)
 
 
 def _one_core_pool() -> None:

@@ -179,7 +179,7 @@ def default_pretrainer(argv: Sequence[str] = (), devices: Sequence[Any] | None =
     args = parse_args(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                        "--no-progress-bar", *argv])
     layout = validate_args(args, len(devices))
-    trainer = Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=devices))
+    trainer = Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(1, 1, devices=devices))
     trainer.argv = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", *argv]
     return trainer
 

@@ -56,7 +56,7 @@ def _trainer(a: argparse.Namespace):
              "1", "--train-iters", "1000", "--eval-interval", "1000000", "--lr", "3e-4", "--no-progress-bar"]
     args = parse_args(flags + (["--bf16"] if a.bf16 else []))
     layout = validate_args(args, 1)
-    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:1]))
+    return Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:1]))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -63,7 +63,7 @@ def package_step_times(a: argparse.Namespace, world: int):
 
     args = parse_args(_pretrain_flags(a, world))
     layout = validate_args(args, world)
-    trainer = Pretrainer(pretrain_config(args, layout), layout, ps.initialize_model_parallel(a.tp, a.pp))
+    trainer = Pretrainer(pretrain_config(args), layout, ps.initialize_model_parallel(a.tp, a.pp))
     times = [trainer.step()["step_time_s"] for _ in range(a.warmup + a.steps)]
     return times[a.warmup:], trainer.config
 

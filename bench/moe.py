@@ -112,7 +112,7 @@ def trainer(flags: list[str], devices: int) -> Any:
     layout = validate_args(args, devices)
     state = ps.build_parallel_state(1, 1, expert_model_parallel_size=layout.expert_model_parallel_size,
                                     devices=jax.devices()[:devices])
-    return Pretrainer(pretrain_config(args, layout), layout, state)
+    return Pretrainer(pretrain_config(args), layout, state)
 
 
 def _one_step(t: Any) -> Any:

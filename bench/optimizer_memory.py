@@ -51,7 +51,7 @@ def measure(model_flags: list[str], dp: int, distributed: bool) -> dict[str, Any
                        *(["--use-distributed-optimizer"] if distributed else [])])
     layout = validate_args(args, dp)
     state = ps.build_parallel_state(1, 1, devices=jax.devices()[:dp])
-    trainer = Pretrainer(pretrain_config(args, layout), layout, state)
+    trainer = Pretrainer(pretrain_config(args), layout, state)
     batch = trainer.data.next_train_batch()
     device = trainer.ddp.mesh.devices.flat[0]
     on_device = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards

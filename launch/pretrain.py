@@ -183,7 +183,7 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
                                          context_parallel_size=layout.context_parallel_size,
                                          expert_model_parallel_size=layout.expert_model_parallel_size)
     release_cpu_affinity()  # the backend has sized its thread pool
-    trainer = progress.trainer = Pretrainer(pretrain_config(args, layout), layout, state)
+    trainer = progress.trainer = Pretrainer(pretrain_config(args), layout, state)
     resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim,
                                                step=args.ckpt_step, finetune=args.finetune)
     if args.load and not resumed and args.exit_on_missing_checkpoint:

@@ -34,7 +34,7 @@ def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
                                     expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices)
-    return Pretrainer(pretrain_config(args, layout), layout, state)
+    return Pretrainer(pretrain_config(args), layout, state)
 
 
 def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:

@@ -33,7 +33,7 @@ def _trainer(tp, pp, *extra, devices=8):
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
                                     devices=jax.devices()[:devices])
-    return Pretrainer(pretrain_config(args, layout), layout, state)
+    return Pretrainer(pretrain_config(args), layout, state)
 
 
 def _host(tree):

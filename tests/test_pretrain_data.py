@@ -302,7 +302,7 @@ def _trainer(bpe, prefixes, tp, pp, *extra):
                     "--train-iters", "6", *_data_flags(bpe, prefixes, *ALL_FIELDS), *extra]
     args = parse_args(flags)
     layout = validate_args(args, 8)
-    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size))
+    return Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size))
 
 
 def test_indexed_training_resumes_at_the_same_sample(bpe, prefixes, tmp_path):
@@ -332,7 +332,7 @@ def _indexed_llama_losses(bpe, prefixes, tp, pp, devices, *extra):
     layout = validate_args(args, len(devices))
     state = ps.build_parallel_state(tp, pp, None, context_parallel_size=layout.context_parallel_size,
                                     devices=devices)
-    trainer = Pretrainer(pretrain_config(args, layout), layout, state)
+    trainer = Pretrainer(pretrain_config(args), layout, state)
     return [trainer.step()["loss"] for _ in range(5)]
 
 

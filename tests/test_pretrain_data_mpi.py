@@ -52,7 +52,7 @@ def test_indexed_training_under_mpirun(shared_prefix):
                               "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
                               "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"])
     layout = validate_args(args, jax.device_count())
-    trainer = Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(2, 1, None, devices=jax.devices()))
+    trainer = Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(2, 1, None, devices=jax.devices()))
     built = comm.gather(trainer.data.train_data.built_anew_on_cache_miss, root=0)
     if comm.rank == 0:
         assert built == [True] + [False] * (comm.size - 1)  # rank 0 built, the others loaded

@@ -25,7 +25,7 @@ def _trainer(*extra):
     args = parse_args(TINY + ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                               "--train-iters", str(ITERS), "--log-interval", "100", *extra])
     layout = validate_args(args, 2)
-    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    return Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 @pytest.fixture(scope="module")

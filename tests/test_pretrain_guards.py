@@ -24,7 +24,7 @@ ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1
 def _trainer(*extra):
     args = parse_args([*TINY, *ONE, "--num-layers", "2", "--train-iters", "40", *extra])
     layout = validate_args(args, 2)
-    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    return Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 def _poison(params):

@@ -140,7 +140,7 @@ def test_checkpoint_resumes_in_another_ep_and_cp(tmp_path):
         state = ps.build_parallel_state(1, 1, context_parallel_size=cp, expert_model_parallel_size=ep,
                                         devices=jax.devices())
         layout = validate_args(args, 8)
-        return Pretrainer(pretrain_config(args, layout), layout, state)
+        return Pretrainer(pretrain_config(args), layout, state)
 
     first = trainer(2, 2)
     assert set(first.params["layers"]) == {"dense", "moe"}

@@ -126,7 +126,7 @@ def test_bf16_train_step_adds_no_rows_in_bf16(layout):
     shape = validate_args(args, 2)
     state = ps.build_parallel_state(shape.tensor_model_parallel_size, shape.pipeline_model_parallel_size,
                                     context_parallel_size=shape.context_parallel_size, devices=jax.devices()[:2])
-    trainer = Pretrainer(pretrain_config(args, shape), shape, state)
+    trainer = Pretrainer(pretrain_config(args), shape, state)
     hlo = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch()).as_text(
         dialect="hlo")
     assert "all-reduce" in hlo or "collective-permute" in hlo  # the program is the distributed step

@@ -31,7 +31,7 @@ ONE = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1
 def _trainer(*extra: str) -> Pretrainer:
     args = parse_args([*TINY, *ONE, "--log-interval", "1", *extra])
     layout = validate_args(args, 2)
-    return Pretrainer(pretrain_config(args, layout), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
+    return Pretrainer(pretrain_config(args), layout, ps.build_parallel_state(1, 1, devices=jax.devices()[:2]))
 
 
 def test_logged_step_times_add_up_to_the_loop_time():

@@ -8,13 +8,11 @@ import argparse
 from typing import TYPE_CHECKING
 
 from core.training.arguments import (
-    ParallelLayout,
     data_source,
     lr_decay_iters,
     lr_warmup_iters,
     min_lr,
     model_config,
-    model_error,
     tokenizer_from_args,
 )
 
@@ -45,21 +43,17 @@ def data_vocab_size(args: argparse.Namespace) -> int:
     return tokenizer_from_args(args).vocab_size
 
 
-def pretrain_config(args: argparse.Namespace, layout: ParallelLayout) -> PretrainConfig:
-    """The validated flags (``validate_args``) as the trainer's typed configs, in one place; the
-    model, with the tokenizer's vocabulary, is validated against ``layout`` here, its messages
-    naming flags (:class:`ArgumentError`)."""
+def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
+    """The validated flags (``validate_args``, which checks them once, naming flags) as the
+    trainer's typed configs, the model with the tokenizer's vocabulary."""
     from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.optimizer.optimizer_param_scheduler import SchedulerConfig
     from core.training.config import PretrainConfig, ProfileConfig
 
+    # The padded vocabulary is a multiple of tp for any tokenizer, so validate_args's check of the
+    # model (with the flags' vocabulary) holds for this one too.
     model = model_config(args, data_vocab_size(args))
-    try:
-        model.validate(layout.tensor_model_parallel_size,
-                       layout.pipeline_model_parallel_size * (layout.virtual_pipeline_model_parallel_size or 1))
-    except ValueError as e:
-        raise model_error(e) from None
     data, training = data_config(args), training_config(args)
     # No in-step NaN skip unless asked (check_for_nan_in_grad): the loop stops at the first
     # non-finite loss or grad norm and saves nothing after it (Megatron's
