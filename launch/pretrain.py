@@ -190,7 +190,8 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
         raise TrainingError(f"--load {args.load}: {checkpointing.why_nothing_to_load(args.load)} "
                             "(--exit-on-missing-checkpoint)")
     trainer.check_save_directory()
-    logger = TrainingLogger(args.train_iters, trainer.iteration, args.metrics_file, not args.no_progress_bar)
+    logging = trainer.run_config.logging
+    logger = TrainingLogger(args.train_iters, trainer.iteration, logging.metrics_file, logging.progress_bar)
     trainer.logger = logger
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     logger.print(f"> {jax.process_count()} processes, {jax.device_count()} {jax.devices()[0].platform} devices, "

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
-    """The loop: batch sizes, length, evaluation, logging cadence, stops and checks."""
+    """The loop: batch sizes, length, evaluation, stops and checks."""
 
     micro_batch_size: int = 4
     """``--micro-batch-size``: samples per microbatch per data-parallel rank."""
@@ -29,8 +29,6 @@ class TrainingConfig:
     """``--train-iters``: the iteration the run ends at."""
     seed: int = 1234
     """``--seed``: initialisation, data order and dropout."""
-    log_interval: int = 10
-    """``--log-interval``: a log line every this many iterations."""
     eval_interval: int | None = None
     """``--eval-interval``: a validation pass every this many iterations (None: never)."""
     eval_iters: int = 10
@@ -80,6 +78,18 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    """What the run prints and writes (rank 0)."""
+
+    log_interval: int = 10
+    """``--log-interval``: a log line every this many iterations."""
+    metrics_file: str | None = None
+    """``--metrics-file``: one JSON line per logged iteration."""
+    progress_bar: bool = True
+    """A progress bar on a terminal (``--no-progress-bar`` turns it off)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ProfileConfig:
     """``--profile``: a JAX trace of a few iterations."""
 
@@ -113,5 +123,7 @@ class PretrainConfig:
     """The data."""
     checkpoint: CheckpointConfig
     """Saving and resuming."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Log lines, metrics file, progress bar."""
     profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     """Tracing."""

@@ -287,7 +287,8 @@ class Pretrainer:
         """Whether this iteration's values are needed now: a log line, an evaluation, a checkpoint or the end."""
         training, i = self.training, self.iteration
         evaluate = bool(training.eval_interval) and i % training.eval_interval == 0
-        return i == 1 or i == stop or i % training.log_interval == 0 or evaluate or self.checkpointer.due(i, stop)
+        log_interval = self.run_config.logging.log_interval
+        return i == 1 or i == stop or i % log_interval == 0 or evaluate or self.checkpointer.due(i, stop)
 
     def train(self) -> list[dict[str, Any]]:
         """Run to ``--train-iters`` (or the next multiple of ``--exit-interval``, or until an
@@ -356,7 +357,7 @@ class Pretrainer:
             record["valid_loss"] = self.evaluate()
         if log:
             log.set_loss(record["loss"])
-            if i % training.log_interval == 0 or i == 1 or "valid_loss" in record:
+            if i % self.run_config.logging.log_interval == 0 or i == 1 or "valid_loss" in record:
                 log.log_iteration(record, training.train_iters)
             if "valid_loss" in record:
                 self._log_validation(record["valid_loss"])

@@ -49,7 +49,7 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.optimizer.optimizer_param_scheduler import SchedulerConfig
-    from core.training.config import PretrainConfig, ProfileConfig
+    from core.training.config import LoggingConfig, PretrainConfig, ProfileConfig
 
     # The padded vocabulary is a multiple of tp for any tokenizer, so validate_args's check of the
     # model (with the flags' vocabulary) holds for this one too.
@@ -66,6 +66,8 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     get = lambda name, default=None: getattr(args, name, default)
     return PretrainConfig(
         model=model, training=training, ddp=ddp, data=data, checkpoint=checkpoint_config(args),
+        logging=LoggingConfig(log_interval=args.log_interval, metrics_file=get("metrics_file"),
+                              progress_bar=not get("no_progress_bar", False)),
         optimizer=OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad),
         scheduler=SchedulerConfig(lr=args.lr, min_lr=min_lr(args), lr_decay_style=args.lr_decay_style,
@@ -81,7 +83,7 @@ def training_config(args: argparse.Namespace) -> TrainingConfig:
 
     return TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size, seq_length=args.seq_length,
-        train_iters=args.train_iters, seed=args.seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        train_iters=args.train_iters, seed=args.seed, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         exit_signal=args.exit_signal if getattr(args, "exit_signal_handler", False) else None,
         exit_duration_in_mins=getattr(args, "exit_duration_in_mins", None),
