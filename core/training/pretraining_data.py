@@ -76,6 +76,14 @@ def _process_barrier() -> Callable[[], None] | None:
     return lambda: multihost_utils.sync_global_devices(f"core.training.pretraining_data:{next(counter)}")
 
 
+def data_vocab_size(data: DataConfig) -> int:
+    """The vocabulary the data's tokens come from: the byte vocabulary for a text corpus with
+    ``--tokenizer-type ByteLevel`` (encoded by :class:`ByteTokenizer`), else the tokenizer's."""
+    if data.tokenizer_type == "ByteLevel" and data_source(data.data_path).kind != "indexed":
+        return ByteTokenizer.vocab_size
+    return tokenizer_from_args(data).vocab_size
+
+
 def _sampled_unigram_entropy(prefixes: tuple[str, ...], weights: tuple[float, ...], vocab_size: int) -> float:
     """Unigram entropy (nats) of a blend: each dataset's token distribution over up to
     :data:`_ENTROPY_TOKENS` of its tokens (``IndexedDataset.sample_tokens``), mixed with the weights."""
@@ -119,6 +127,8 @@ class PretrainingData:
         """The ``--tokenizer-type`` tokenizer."""
         self.indexed = self.source.kind == "indexed"
         """Whether the data are Megatron indexed datasets."""
+        self.vocab_size = data_vocab_size(data)
+        """The vocabulary of the data's tokens (the model's, :func:`data_vocab_size`)."""
         if self.indexed:
             self._init_indexed()
         else:
@@ -135,10 +145,9 @@ class PretrainingData:
         data, training = self.data_config, self.training
         text, self.corpus_description = load_corpus(self.source.text_path)
         if data.tokenizer_type == "ByteLevel":
-            tokens, self.vocab_size = ByteTokenizer().encode(text), ByteTokenizer.vocab_size
+            tokens = ByteTokenizer().encode(text)
         else:
             tokens = np.asarray(self.tokenizer.tokenize(text), dtype=np.int32)
-            self.vocab_size = self.tokenizer.vocab_size
             self.corpus_description += f", {data.tokenizer_type} vocabulary {self.vocab_size}"
         self.unigram_entropy = unigram_entropy(tokens, self.vocab_size)
         self.train_data, self.valid_data = build_train_valid_datasets(tokens, training.seq_length, data.valid_fraction)
@@ -147,7 +156,6 @@ class PretrainingData:
 
     def _init_indexed(self) -> None:
         data, training = self.data_config, self.training
-        self.vocab_size = self.tokenizer.vocab_size
         config = GPTDatasetConfig(
             sequence_length=training.seq_length, random_seed=training.seed, eod_token=self.tokenizer.eod,
             reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
