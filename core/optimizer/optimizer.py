@@ -87,9 +87,12 @@ class MegatronOptimizer:
         """The optimizer state of ``params`` (a global-array tree from ``model.init``): split like
         the params when replicated; device-local when distributed (each data-parallel rank holds
         only its shards). It also becomes :attr:`opt_state`."""
-        opt = self.inner
-        fn = lambda p: opt.state_from_local(opt.init(jax.tree.leaves(p)))
-        self.opt_state = jax.jit(self.model.shard_map(fn, (self.model.param_specs,), self.state_specs))(params)
+        def build() -> Callable:
+            opt = self.inner
+            fn = lambda p: opt.state_from_local(opt.init(jax.tree.leaves(p)))
+            return jax.jit(self.model.shard_map(fn, (self.model.param_specs,), self.state_specs))
+
+        self.opt_state = self._program("init_state", build)(params)  # built once: a new jit recompiles
         return self.opt_state
 
     def state_bytes_per_device(self, opt_state: Any) -> int:
