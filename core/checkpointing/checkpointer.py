@@ -74,6 +74,28 @@ class TrainingState:
     """The MoE expert biases (None without them)."""
 
 
+EXECUTION_FIELDS = ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
+                    "hidden_dropout", "context_parallel_size", "cp_comm_type")
+"""Model config fields a run may change on resume: numerics and execution choices."""
+
+
+def model_record(model_config: Any) -> dict[str, Any]:
+    """The model fields a checkpoint must match, as its metadata stores them: the model config's
+    fields but :data:`EXECUTION_FIELDS` (and the MoE grouped-GEMM implementation), and but
+    ``seq_length`` with rotary positions (it shapes no parameter there: a run may train an
+    imported model at its own sequence length)."""
+    record = dataclasses.asdict(model_config)
+    for field in EXECUTION_FIELDS:
+        record.pop(field)
+    if record.get("position_embedding_type") == "rope":
+        record.pop("seq_length", None)
+    if record.get("moe") is not None:  # an execution choice, as the ones above
+        record["moe"].pop("moe_grouped_gemm_implementation")
+    if isinstance(record.get("moe_layer_freq"), tuple):  # as the JSON metadata reads back
+        record["moe_layer_freq"] = list(record["moe_layer_freq"])
+    return record
+
+
 def first_line(error: BaseException, limit: int = 400) -> str:
     """An exception's message as one line of at most ``limit`` characters: its start and its end,
     where orbax puts the reason (``... No space left on device``)."""
@@ -127,17 +149,8 @@ class Checkpointer:
         return bool(self.config.save_interval) and iteration % self.config.save_interval == 0 or iteration == last
 
     def model_record(self) -> dict[str, Any]:
-        """The model fields a checkpoint must match: those that shape the parameters (numerics
-        and execution choices such as bf16, SP, recompute or dropout may change on resume)."""
-        record = dataclasses.asdict(self.model_config)
-        for field in ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
-                      "hidden_dropout", "context_parallel_size", "cp_comm_type"):
-            record.pop(field)
-        if record["moe"] is not None:  # an execution choice, as the ones above
-            record["moe"].pop("moe_grouped_gemm_implementation")
-        if isinstance(record["moe_layer_freq"], tuple):  # as the JSON metadata reads back
-            record["moe_layer_freq"] = list(record["moe_layer_freq"])
-        return record
+        """:func:`model_record` of this run's model."""
+        return model_record(self.model_config)
 
     def layout_record(self) -> dict[str, Any]:
         """The layout a checkpoint was written in (informational: any layout loads it)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from core.transformer.moe.moe_config import MoEConfig
 from core.transformer.transformer_config import TransformerConfig
 
 
@@ -109,6 +110,23 @@ class GPTConfig(TransformerConfig):
                 raise ValueError(message)
         if self.moe is not None:
             self._validate_moe(pipeline_chunks)
+
+    @classmethod
+    def from_record(cls, record: dict, **overrides) -> GPTConfig:
+        """The config a checkpoint's model record describes
+        (:func:`core.checkpointing.checkpointer.model_record`, read back from JSON), ``overrides``
+        setting the fields it leaves out (``seq_length`` with rotary positions, execution
+        choices). ``ValueError`` names fields this version does not know."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - names)
+        if unknown:
+            raise ValueError(f"the checkpoint's model has fields this version does not know: {', '.join(unknown)}")
+        values = {**record, **overrides}
+        if isinstance(values.get("moe"), dict):
+            values["moe"] = MoEConfig(**values["moe"])
+        if isinstance(values.get("moe_layer_freq"), list):
+            values["moe_layer_freq"] = tuple(values["moe_layer_freq"])
+        return cls(**values)
 
     def _validate_moe(self, pipeline_chunks: int) -> None:
         freq = self.moe_layer_freq

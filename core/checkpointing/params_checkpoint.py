@@ -1,0 +1,126 @@
+"""Parameters-only checkpoints written and read one array at a time, by one process.
+
+The model converters (``tools/checkpoint/convert.py``) move whole models between this package's
+checkpoints and other formats on the host. Holding every array at once would need the model's
+size in memory; here a checkpoint is written with orbax's partial saves (each call adds arrays
+to the step being written, :func:`write_params_checkpoint`) and read back array by array
+(:func:`read_params_array`), so the host holds about one array at a time.
+
+The step written is an ordinary checkpoint of :mod:`core.checkpointing.files`' format (state,
+metadata, integrity record, commit marker, renamed into place when complete): a training run
+loads it as it loads its own. A failure or a signal leaves only a temporary directory, which
+the next save into that directory removes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from orbax.checkpoint.experimental.v1 import partial as partial_save
+
+from core.checkpointing import orbax_failure_noise
+from core.checkpointing.files import (
+    COMMIT_MARKER,
+    META_ITEM,
+    STATE_ITEM,
+    _require_step,
+    _step_dir,
+    _write_integrity,
+    complete_steps,
+)
+from core.checkpointing.step_writer import _TMP_INFIX
+
+ParamPath = tuple[str, ...]
+"""A parameter's keys from the tree's root, e.g. ``("layers", "mlp", "fc1", "weight")``."""
+
+
+def _nested(path: ParamPath, value: Any) -> dict:
+    """``{"a": {"b": value}}`` for ``("a", "b")``."""
+    for key in reversed(path):
+        value = {key: value}
+    return value
+
+
+def write_params_checkpoint(directory: str | os.PathLike, arrays: Iterable[tuple[ParamPath, np.ndarray]],
+                            metadata: dict, step: int = 0) -> str:
+    """Write checkpoint ``step`` of ``directory`` holding ``{"params": tree}``, the tree given
+    as ``(path, array)`` pairs produced one at a time (each written before the next is asked
+    for), and ``metadata``; returns the step directory. Refuses (``FileExistsError``) a directory
+    that already holds checkpoints: a conversion never replaces or rotates a run's checkpoints."""
+    directory = os.path.abspath(os.fspath(directory))
+    existing = complete_steps(directory)
+    if existing:
+        raise FileExistsError(f"{directory} already holds checkpoints (steps {existing}): write into a new or "
+                              "empty directory")
+    os.makedirs(directory, exist_ok=True)
+    orbax_failure_noise.silence()
+    tmp = os.path.join(directory, f"{step}{_TMP_INFIX}{uuid.uuid4().hex[:8]}")
+    try:
+        for path, array in arrays:
+            partial_save.save(tmp, {"params": _nested(path, np.asarray(array))})
+        partial_save.finalize(tmp)
+        # Orbax's own commit marker and records: the commit marker is written last, below.
+        for name in (COMMIT_MARKER, "_CHECKPOINT_METADATA", "orbax.checkpoint"):
+            if os.path.isfile(os.path.join(tmp, name)):
+                os.remove(os.path.join(tmp, name))
+        os.makedirs(os.path.join(tmp, META_ITEM))
+        ocp.JsonCheckpointHandler().save(epath.Path(tmp) / META_ITEM, args=ocp.args.JsonSave(metadata))
+        _write_integrity(tmp)
+        with open(os.path.join(tmp, COMMIT_MARKER), "w") as f:
+            f.write(f"checkpoint step {step} committed")
+        os.rename(tmp, _step_dir(directory, step))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _step_dir(directory, step)
+
+
+def saved_param_shapes(directory: str | os.PathLike, step: int | None = None) -> dict[ParamPath, tuple]:
+    """``{path: (shape, dtype)}`` of every parameter array of a checkpoint (read from orbax's
+    metadata, no array read)."""
+    step = _require_step(os.path.abspath(os.fspath(directory)), step)
+    path = epath.Path(_step_dir(os.path.abspath(os.fspath(directory)), step)) / STATE_ITEM
+    tree = ocp.StandardCheckpointHandler().metadata(path).tree["params"]
+    out: dict[ParamPath, tuple] = {}
+
+    def walk(node: Any, prefix: ParamPath) -> None:
+        if isinstance(node, dict):
+            for key, child in node.items():
+                walk(child, prefix + (key,))
+        else:
+            out[prefix] = (tuple(node.shape), np.dtype(node.dtype))
+
+    walk(tree, ())
+    return out
+
+
+def read_params_array(directory: str | os.PathLike, path: ParamPath, step: int | None = None) -> np.ndarray:
+    """One parameter array of a checkpoint, read alone into host memory."""
+    directory = os.path.abspath(os.fspath(directory))
+    step = _require_step(directory, step)
+    item = epath.Path(_step_dir(directory, step)) / STATE_ITEM
+    target = {"params": _nested(path, np.zeros((), np.float32))}
+    restore_args = {"params": _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))}
+    restored = ocp.PyTreeCheckpointHandler().restore(item, args=ocp.args.PyTreeRestore(
+        target, restore_args=restore_args, partial_restore=True))
+    node = restored["params"]
+    for key in path:
+        node = node[key]
+    return np.asarray(node)
+
+
+def read_params_arrays(directory: str | os.PathLike, paths: Sequence[ParamPath], step: int | None = None
+                       ) -> Iterable[tuple[ParamPath, np.ndarray]]:
+    """:func:`read_params_array` for each of ``paths`` in turn (one array in memory at a time)."""
+    for path in paths:
+        yield path, read_params_array(directory, path, step)
+
+
+__all__ = ["ParamPath", "read_params_array", "read_params_arrays", "saved_param_shapes", "write_params_checkpoint"]
