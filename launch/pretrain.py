@@ -129,7 +129,9 @@ def _start(args, rank: int, processes: int, failure, progress: _Progress, reexec
     from core.runtime.cluster import initialize_distributed
     from core.runtime.jax_backend import jax_runs_on_cpu
     from core.training.arguments import fill_defaults, validate_args
+    from core.training.checkpoint_args import apply_checkpoint_args
 
+    apply_checkpoint_args(args)  # the model flags from --load's checkpoint, before anything sizes the model
     if jax_runs_on_cpu():
         _configure_cpu(args, processes, reexec=reexec)
     if rank != 0:

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from core.training.checkpoint_args import checkpoint_vocab_size
 from core.training.flags import (  # noqa: F401 (the parser's names, re-exported)
     EXIT_SIGNALS,
     TOKENIZER_TYPE_NAMES,
@@ -59,8 +60,17 @@ class ParallelLayout:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse flags (argparse exits with code 2 and its usage line on unknown flags)."""
-    return build_parser().parse_args(argv)
+    """Parse flags (argparse exits with code 2 and its usage line on unknown flags). The
+    namespace also records ``explicit_flags``: the flags written on the command line (what
+    ``--use-checkpoint-args`` must not silently override)."""
+    import sys
+
+    from core.training.checkpoint_args import explicit_flags
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.explicit_flags = explicit_flags(parser, sys.argv[1:] if argv is None else argv)
+    return args
 
 
 def fill_defaults(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -119,7 +129,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(f"--exit-interval must be >= 1, got {args.exit_interval}")
     if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
         raise ArgumentError(f"--exit-duration-in-mins must be > 0, got {args.exit_duration_in_mins}")
-    for flag in ("finetune", "ckpt_step", "exit_on_missing_checkpoint"):
+    for flag in ("finetune", "ckpt_step", "exit_on_missing_checkpoint", "use_checkpoint_args"):
         if getattr(args, flag) not in (None, False) and args.load is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --load DIR")
     validate_data_args(args)
@@ -437,9 +447,9 @@ def recompute_granularity(args: argparse.Namespace) -> str | None:
 
 
 MODEL_FLAG_RULES: dict[str, Any] = {
-    "vocab_size": lambda args, vocab: vocab,
-    "padded_vocab_size": lambda args, vocab: padded_vocab_size(vocab, args.make_vocab_size_divisible_by,
-                                                               args.tensor_model_parallel_size or 1),
+    "vocab_size": lambda args, vocab: checkpoint_vocab_size(args, vocab),
+    "padded_vocab_size": lambda args, vocab: getattr(args, "checkpoint_padded_vocab_size", None) or padded_vocab_size(
+        checkpoint_vocab_size(args, vocab), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size or 1),
     "num_query_groups": lambda args, _: args.num_query_groups if args.group_query_attention else None,
     "layernorm_epsilon": lambda args, _: args.norm_epsilon,
     "add_bias_linear": lambda args, _: not args.disable_bias_linear,

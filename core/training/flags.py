@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune", action="store_true",
                    help="load the parameters only from --load and start a new run from them: iteration 0, the "
                         "start of the data, a fresh optimizer state")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's shape (layers, widths, heads, vocabulary, rope and norm options) from the "
+                        "checkpoint in --load; model flags given too must agree with it")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration's checkpoint from --load instead of the newest")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",

@@ -36,6 +36,9 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     # The padded vocabulary is a multiple of tp for any tokenizer, so validate_args's check of the
     # model (with the flags' vocabulary) holds for this one too.
     data, training = data_config(args), training_config(args)
+    from core.training.checkpoint_args import check_tokenizer_fits
+
+    check_tokenizer_fits(args, data_vocab_size(data))
     model = model_config(args, data_vocab_size(data))
     # No in-step NaN skip unless asked (check_for_nan_in_grad): the loop stops at the first
     # non-finite loss or grad norm and saves nothing after it (Megatron's
