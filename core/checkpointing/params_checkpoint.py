@@ -14,14 +14,18 @@ the next save into that directory removes.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
+import orbax.checkpoint.experimental.v1 as ocp_v1
 from etils import epath
 from orbax.checkpoint.experimental.v1 import partial as partial_save
 
@@ -48,6 +52,44 @@ def _nested(path: ParamPath, value: Any) -> dict:
     return value
 
 
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``; a no-op elsewhere):
+    tensorstore's freed write buffers would otherwise stay in the process, on top of the next
+    array's."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    """Orbax's absl warnings off (merging per-process OCDBT indexes that a single-process, non-OCDBT
+    write does not have is reported once per array)."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _streaming_context() -> ocp_v1.Context:
+    """Orbax's options for writing host arrays that are not touched while written: no defensive
+    copy of each array (it would double the peak); one zarr array per parameter with
+    tensorstore chunks of 64 MiB, each encoded and written on its own (an OCDBT write buffers
+    the whole array once more: 2x its size at the peak); no compression (as the trainer's
+    checkpoints). Orbax reads this format as it reads the trainer's."""
+    context = ocp_v1.Context()
+    context.memory.deepcopy_host_arrays = False
+    context.memory.write_concurrent_bytes = 256 * 2**20
+    context.array.saving.use_ocdbt = False
+    context.array.saving.use_compression = False
+    context.array.saving.storage_options.chunk_byte_size = 64 * 2**20
+    return context
+
+
 def write_params_checkpoint(directory: str | os.PathLike, arrays: Iterable[tuple[ParamPath, np.ndarray]],
                             metadata: dict, step: int = 0) -> str:
     """Write checkpoint ``step`` of ``directory`` holding ``{"params": tree}``, the tree given
@@ -63,9 +105,12 @@ def write_params_checkpoint(directory: str | os.PathLike, arrays: Iterable[tuple
     orbax_failure_noise.silence()
     tmp = os.path.join(directory, f"{step}{_TMP_INFIX}{uuid.uuid4().hex[:8]}")
     try:
-        for path, array in arrays:
-            partial_save.save(tmp, {"params": _nested(path, np.asarray(array))})
-        partial_save.finalize(tmp)
+        with _streaming_context(), _quiet_absl():
+            for path, array in arrays:
+                partial_save.save(tmp, {"params": _nested(path, np.asarray(array))})
+                del array  # before the next one is built
+                release_free_memory()
+            partial_save.finalize(tmp)
         # Orbax's own commit marker and records: the commit marker is written last, below.
         for name in (COMMIT_MARKER, "_CHECKPOINT_METADATA", "orbax.checkpoint"):
             if os.path.isfile(os.path.join(tmp, name)):
@@ -101,26 +146,30 @@ def saved_param_shapes(directory: str | os.PathLike, step: int | None = None) ->
     return out
 
 
-def read_params_array(directory: str | os.PathLike, path: ParamPath, step: int | None = None) -> np.ndarray:
-    """One parameter array of a checkpoint, read alone into host memory."""
+def read_params_array(directory: str | os.PathLike, path: ParamPath, step: int | None = None,
+                      dtype: Any = None) -> np.ndarray:
+    """One parameter array of a checkpoint, read alone into host memory; ``dtype``: cast while
+    reading (a bf16 copy of an fp32 array never holds the fp32 array whole)."""
     directory = os.path.abspath(os.fspath(directory))
     step = _require_step(directory, step)
     item = epath.Path(_step_dir(directory, step)) / STATE_ITEM
     target = {"params": _nested(path, np.zeros((), np.float32))}
-    restore_args = {"params": _nested(path, ocp.RestoreArgs(restore_type=np.ndarray))}
-    restored = ocp.PyTreeCheckpointHandler().restore(item, args=ocp.args.PyTreeRestore(
+    restore_args = {"params": _nested(path, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype))}
+    # Reads bounded to 256 MiB in flight: the array itself is the only large allocation.
+    restored = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=0.25).restore(item, args=ocp.args.PyTreeRestore(
         target, restore_args=restore_args, partial_restore=True))
     node = restored["params"]
     for key in path:
         node = node[key]
+    release_free_memory()
     return np.asarray(node)
 
 
-def read_params_arrays(directory: str | os.PathLike, paths: Sequence[ParamPath], step: int | None = None
-                       ) -> Iterable[tuple[ParamPath, np.ndarray]]:
+def read_params_arrays(directory: str | os.PathLike, paths: Sequence[ParamPath], step: int | None = None,
+                       dtype: Any = None) -> Iterable[tuple[ParamPath, np.ndarray]]:
     """:func:`read_params_array` for each of ``paths`` in turn (one array in memory at a time)."""
     for path in paths:
-        yield path, read_params_array(directory, path, step)
+        yield path, read_params_array(directory, path, step, dtype)
 
 
 __all__ = ["ParamPath", "read_params_array", "read_params_arrays", "saved_param_shapes", "write_params_checkpoint"]

@@ -39,7 +39,8 @@ def get_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer-dir", default=None, help="--saver hf: copy the tokenizer files from here")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="--saver hf: weight dtype (default: the imported model's, else float32)")
-    parser.add_argument("--max-shard-size", default="2GB", help="--saver hf: largest safetensors shard")
+    parser.add_argument("--max-shard-size", default="1GB",
+                        help="--saver hf: largest safetensors shard (the host holds one shard while writing it)")
     args = parser.parse_args(argv)
     if (args.loader, args.saver) not in (("hf", "core"), ("core", "hf")):
         parser.error(f"--loader {args.loader} --saver {args.saver}: convert hf -> core or core -> hf")

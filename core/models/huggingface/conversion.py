@@ -134,7 +134,7 @@ def _refuse_existing_model(directory: str) -> None:
 
 
 def export_hf_model(load_dir: str, hf_dir: str, tokenizer_dir: str | None = None, dtype: str | None = None,
-                    max_shard_bytes: int = 2 * 10**9, step: int | None = None) -> dict:
+                    max_shard_bytes: int = 10**9, step: int | None = None) -> dict:
     """Write the checkpoint's model (newest complete step, or ``step``) to ``hf_dir`` as an HF
     model directory; returns the ``config.json`` written. ``dtype``: the weights' dtype (default:
     the imported model's, else float32). ``config.json`` is written last: a directory with it is
@@ -153,9 +153,8 @@ def export_hf_model(load_dir: str, hf_dir: str, tokenizer_dir: str | None = None
         raise HFConversionError(f"checkpoint {load_dir} has no parameter {'/'.join(missing[0])}")
 
     def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        for path, array in read_params_arrays(load_dir, list(saved), step):
-            for name, tensor in hf_tensors_from_param(config, path, array):
-                yield name, tensor.astype(DTYPES[dtype])
+        for path, array in read_params_arrays(load_dir, list(saved), step, DTYPES[dtype]):
+            yield from hf_tensors_from_param(config, path, array)
 
     write_safetensors(hf_dir, tensors(), max_shard_bytes)
     if tokenizer_dir:
