@@ -24,11 +24,15 @@ from core.data import (
     DataParallelSampler,
     GPTDatasetConfig,
     IndexedDataset,
+    SFTDataset,
     build_gpt_datasets,
     build_train_valid_datasets,
     get_batch,
     get_segment_ids,
+    get_split_document_ids,
+    load_chat_template,
     load_corpus,
+    read_conversations,
 )
 from core.data.gpt_dataset import IndexCacheError
 from core.data.text_dataset import unigram_entropy
@@ -39,10 +43,12 @@ from core.training.config import DataConfig, TrainingConfig
 BATCH_FIELDS = {
     "tokens": "int32 [b, s]: input ids",
     "labels": "int32 [b, s]: next-token ids",
-    "loss_mask": "float32 [b, s]: 0 where a token carries no loss (--eod-mask-loss); indexed data only",
-    "position_ids": "int32 [b, s]: positions restarting after every EOD; with --reset-position-ids only",
-    "segment_ids": "int32 [b, s]: EODs strictly before each position (attend within equal ids); "
-                   "with --reset-attention-mask only",
+    "loss_mask": "float32 [b, s]: 0 where a token carries no loss (--eod-mask-loss; --sft: 1 only where the "
+                 "label is an assistant token); indexed data and --sft only",
+    "position_ids": "int32 [b, s]: positions restarting after every EOD (--reset-position-ids) or at every "
+                    "conversation (--sft)",
+    "segment_ids": "int32 [b, s]: EODs strictly before each position (--reset-attention-mask) or the "
+                   "conversation's index in the packed sequence (--sft); attend within equal ids",
     "dropout_seed": "int32 [b]: per-sample dropout seed (dropout_seeds); training batches of a model "
                     "with dropout only",
 }
@@ -110,6 +116,8 @@ class PretrainingData:
       is shuffled already, so the sampler takes its samples in order (Megatron's
       ``MegatronPretrainingSampler``). Batches: ``tokens``, ``labels``, ``loss_mask`` and, as
       the flags ask, ``position_ids`` and ``segment_ids`` (:data:`BATCH_FIELDS`).
+    * ``--sft``: the JSONL's chat conversations packed into sequences (:meth:`_init_sft`). Batches:
+      all five fields, the loss on the assistant's tokens.
 
     With ``with_dropout_seed`` training batches (never validation ones) also carry ``dropout_seed``.
     """
@@ -129,7 +137,11 @@ class PretrainingData:
         """Whether the data are Megatron indexed datasets."""
         self.vocab_size = data_vocab_size(data)
         """The vocabulary of the data's tokens (the model's, :func:`data_vocab_size`)."""
-        if self.indexed:
+        self.sft = data.sft
+        """Whether the data are chat conversations (``--sft``)."""
+        if self.sft:
+            self._init_sft()
+        elif self.indexed:
             self._init_indexed()
         else:
             self._init_text()
@@ -180,6 +192,37 @@ class PretrainingData:
                                            data_parallel_rank=0, data_parallel_size=1, seed=training.seed,
                                            shuffle=False)
 
+    def _init_sft(self) -> None:
+        """``--sft``: the JSONL's conversations tokenized with the chat template, split by ``--split``
+        (train, valid; the test share is not used) and packed (:class:`SFTDataset`, seeded by ``--seed``).
+        Packed sequences have no order of their own, so the sampler shuffles them every epoch."""
+        data, training = self.data_config, self.training
+        path = self.source.text_path
+        template = load_chat_template(data.tokenizer_model, data.sft_tokenizer_prompt_format)
+        conversations = read_conversations(path, template, self.tokenizer)
+        train_ids, valid_ids, _ = get_split_document_ids(data.split, len(conversations))
+        if train_ids is None or not len(train_ids):
+            raise ValueError(f"--split {data.split} gives the training split none of the {len(conversations)} "
+                             f"conversations of {path}")
+        pack = lambda ids: SFTDataset([conversations[i] for i in ids], training.seq_length, training.seed,
+                                      self.tokenizer.eod)
+        self.train_data = pack(train_ids)
+        if not len(self.train_data):
+            raise ValueError(f"--data-path {path}: no training conversation keeps an assistant token within "
+                             f"--seq-length {training.seq_length}")
+        self.valid_data = pack(valid_ids) if valid_ids is not None and len(valid_ids) else None
+        if self.valid_data is not None and not len(self.valid_data):
+            self.valid_data = None
+        self.unigram_entropy = unigram_entropy(self.train_data.target_tokens(), self.vocab_size)
+        train = self.train_data
+        self.corpus_description = (
+            f"SFT conversations {path} ({len(conversations)}: {len(train_ids)} train, "
+            f"{0 if valid_ids is None else len(valid_ids)} valid; chat template {template.origin}; packed "
+            f"{train.fill:.0%} full; {train.num_truncated} truncated to --seq-length, {train.num_dropped} dropped; "
+            f"{data.tokenizer_type} vocabulary {self.vocab_size})")
+        self.sampler = DataParallelSampler(num_samples=len(train), micro_batch_size=training.micro_batch_size,
+                                           data_parallel_rank=0, data_parallel_size=1, seed=training.seed)
+
     @property
     def num_valid_samples(self) -> int:
         """Validation samples available (0 when ``--split`` gives validation no documents)."""
@@ -198,6 +241,8 @@ class PretrainingData:
         return batch
 
     def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
+        if self.sft:
+            return dataset.batch(indices)
         return self._indexed_batch(dataset, indices) if self.indexed else get_batch(dataset, indices)
 
     def for_context_parallel(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
