@@ -221,8 +221,9 @@ def _loss(model_config, params_and_specs, batch):
 
 
 def test_packed_loss_equals_one_conversation_per_sequence(tokenizer_dirs):
-    """The real GPTModel (rotary, RMSNorm, SwiGLU): the loss of the packed batch is the loss of the
-    same conversations one per sequence (padded, masked), so packing changes nothing but the padding."""
+    """The real GPTModel (learned absolute positions, which see a position that was not reset;
+    RMSNorm, SwiGLU): the loss of the packed batch is the loss of the same conversations one per
+    sequence (padded, masked), so packing changes nothing but the padding."""
     from core.models.gpt.gpt_config import GPTConfig
     from core.param_metadata import init_sharded_params
 
@@ -233,7 +234,7 @@ def test_packed_loss_equals_one_conversation_per_sequence(tokenizer_dirs):
     single.packs = [[i] for i in range(len(conversations))]
     assert len(packed) < len(single)
     config = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=tokenizer.vocab_size,
-                       padded_vocab_size=512, seq_length=s, position_embedding_type="rope", normalization="RMSNorm",
+                       padded_vocab_size=512, seq_length=s, normalization="RMSNorm",
                        swiglu=True, add_bias_linear=False)
 
     def params_and_specs(model, state):
