@@ -1,10 +1,11 @@
 """``PretrainingData``: the datasets, sampler and global batches of a pretraining run.
 
-The data is the built-in corpus, a text file or directory, or Megatron's indexed datasets
-(``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``), whose batches carry Megatron's
-fields (:data:`BATCH_FIELDS`). The data order is a pure function of the seed and the number of
-consumed samples, and dropout is seeded per sample from the seed and the sample's position in
-that order (:func:`dropout_seeds`), so a resumed run reads what the uninterrupted one would.
+The data is the built-in corpus, a text file or directory, Megatron's indexed datasets
+(``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``) or, with ``--sft``, a JSONL of
+chat conversations; the last two's batches carry Megatron's fields (:data:`BATCH_FIELDS`). The
+data order is a pure function of the seed and the number of consumed samples, and dropout is
+seeded per sample from the seed and the sample's position in that order (:func:`dropout_seeds`),
+so a resumed run reads what the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -194,34 +195,36 @@ class PretrainingData:
 
     def _init_sft(self) -> None:
         """``--sft``: the JSONL's conversations tokenized with the chat template, split by ``--split``
-        (train, valid; the test share is not used) and packed (:class:`SFTDataset`, seeded by ``--seed``).
-        Packed sequences have no order of their own, so the sampler shuffles them every epoch."""
+        and packed (:meth:`_sft_splits`). Packed sequences have no order of their own, so the sampler
+        shuffles them every epoch (seeded by ``--seed``, resumable from the consumed samples)."""
         data, training = self.data_config, self.training
-        path = self.source.text_path
         template = load_chat_template(data.tokenizer_model, data.sft_tokenizer_prompt_format)
-        conversations = read_conversations(path, template, self.tokenizer)
-        train_ids, valid_ids, _ = get_split_document_ids(data.split, len(conversations))
-        if train_ids is None or not len(train_ids):
-            raise ValueError(f"--split {data.split} gives the training split none of the {len(conversations)} "
-                             f"conversations of {path}")
-        pack = lambda ids: SFTDataset([conversations[i] for i in ids], training.seq_length, training.seed,
-                                      self.tokenizer.eod)
-        self.train_data = pack(train_ids)
-        if not len(self.train_data):
-            raise ValueError(f"--data-path {path}: no training conversation keeps an assistant token within "
-                             f"--seq-length {training.seq_length}")
-        self.valid_data = pack(valid_ids) if valid_ids is not None and len(valid_ids) else None
-        if self.valid_data is not None and not len(self.valid_data):
-            self.valid_data = None
-        self.unigram_entropy = unigram_entropy(self.train_data.target_tokens(), self.vocab_size)
+        conversations = read_conversations(self.source.text_path, template, self.tokenizer)
+        self.train_data, self.valid_data = self._sft_splits(conversations)
         train = self.train_data
+        self.unigram_entropy = unigram_entropy(train.target_tokens(), self.vocab_size)
+        valid = 0 if self.valid_data is None else len(self.valid_data.conversations) + self.valid_data.num_dropped
         self.corpus_description = (
-            f"SFT conversations {path} ({len(conversations)}: {len(train_ids)} train, "
-            f"{0 if valid_ids is None else len(valid_ids)} valid; chat template {template.origin}; packed "
-            f"{train.fill:.0%} full; {train.num_truncated} truncated to --seq-length, {train.num_dropped} dropped; "
-            f"{data.tokenizer_type} vocabulary {self.vocab_size})")
+            f"SFT conversations {self.source.text_path} ({len(conversations)}: "
+            f"{len(train.conversations) + train.num_dropped} train, {valid} valid; chat template {template.origin}; "
+            f"packed {train.fill:.0%} full; {train.num_truncated} truncated to --seq-length, {train.num_dropped} "
+            f"dropped; {data.tokenizer_type} vocabulary {self.vocab_size})")
         self.sampler = DataParallelSampler(num_samples=len(train), micro_batch_size=training.micro_batch_size,
                                            data_parallel_rank=0, data_parallel_size=1, seed=training.seed)
+
+    def _sft_splits(self, conversations: list) -> tuple[SFTDataset, SFTDataset | None]:
+        """The training and validation conversations of ``--split`` packed (the test share is not
+        used); ``ValueError`` when training gets none that fits."""
+        split, seq_length, path = self.data_config.split, self.training.seq_length, self.source.text_path
+        train_ids, valid_ids, _ = get_split_document_ids(split, len(conversations))
+        pack = lambda ids: SFTDataset([conversations[i] for i in ids], seq_length, self.training.seed,
+                                      self.tokenizer.eod)
+        train = pack(train_ids) if train_ids is not None else None
+        if train is None or not len(train):
+            raise ValueError(f"--split {split} leaves no training conversation of {path} with an assistant token "
+                             f"within --seq-length {seq_length}")
+        valid = pack(valid_ids) if valid_ids is not None else None
+        return train, valid if valid is not None and len(valid) else None
 
     @property
     def num_valid_samples(self) -> int:
