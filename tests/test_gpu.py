@@ -4,6 +4,8 @@ where results are compared with fp32 references (the GPU default is TF32); bf16 
 compared with tolerances that fit bf16.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,21 @@ def test_bf16_attention_runs_cudnn_and_matches_the_fp32_reference():
         want = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", "xla"),
                                 *(x.astype(jnp.float32) for x in (q, k, v)))
     _close(_value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd"), q, k, v), want, 3e-2)
+
+
+def test_bf16_document_mask_runs_cudnn_and_matches_the_fp32_reference():
+    """Packed documents (``--sft``, ``--reset-attention-mask``): the segment mask reaches cuDNN's flash
+    attention as a mask (JAX turns it into an additive bias), no fallback to XLA."""
+    q, k, v = qkv((2, 256, 4, 64), jnp.bfloat16, qk_scale=1.0)
+    segments = jnp.asarray(np.repeat([[0] * 100 + [1] * 60 + [2] * 96], 2, axis=0), jnp.int32)
+    assert attention_implementation(q, k, v, "bsnd", masked=True) == "cudnn"
+    with jax.default_matmul_precision("highest"):
+        want = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", "xla", segment_ids=segments),
+                                *(x.astype(jnp.float32) for x in (q, k, v)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cuDNN refusal warns and runs XLA's
+        got = _value_and_grads(lambda q, k, v: causal_attention(q, k, v, "bsnd", segment_ids=segments), q, k, v)
+    _close(got, want, 3e-2)
 
 
 def test_fp32_attention_runs_xla_and_matches_the_blocked_loop():

@@ -147,6 +147,13 @@ class _TokenizersLibraryTokenizer(MegatronTokenizer):
         """The decoded text."""
         return self._tokenizer.decode([int(i) for i in ids])
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each token's character span ``(start, end)`` in it, without the
+        post-processor's special tokens: a rendered chat template writes its own (as
+        ``apply_chat_template`` tokenizes with ``add_special_tokens=False``)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(o) for o in encoding.offsets]
+
 
 def huggingface_tokenizer(tokenizer_model: str | None, eod_token: str | None = None) -> MegatronTokenizer:
     """``HuggingFaceTokenizer``: a ``tokenizer.json`` file, or a directory holding one."""

@@ -328,6 +328,9 @@ def validate_data_args(args: argparse.Namespace) -> DataSource:
     tokenizer = tokenizer_from_args(args)
     eod_flags = [f"--{name.replace('_', '-')}" for name in ("reset_position_ids", "reset_attention_mask",
                                                              "eod_mask_loss") if getattr(args, name)]
+    if args.sft or args.sft_tokenizer_prompt_format is not None:
+        _validate_sft(args, source, eod_flags)
+        return source
     if source.kind != "indexed":
         if eod_flags:
             raise ArgumentError(f"{' '.join(eod_flags)} need indexed data (--data-path PREFIX): a text corpus "
@@ -351,6 +354,31 @@ def validate_data_args(args: argparse.Namespace) -> DataSource:
                 f"vocabulary of {tokenizer.vocab_size} (ids 0..{tokenizer.vocab_size - 1}); train with the "
                 "tokenizer the dataset was preprocessed with")
     return source
+
+
+def _validate_sft(args: argparse.Namespace, source: DataSource, eod_flags: list[str]) -> None:
+    """``--sft``: one JSONL file, a Hugging Face tokenizer with a chat template, none of the EOD flags
+    (packed conversations get their own positions, attention and loss mask). The conversations
+    themselves are read when the data is built (``core.data.sft_dataset``), naming a bad line."""
+    if not args.sft:
+        raise ArgumentError("--sft-tokenizer-prompt-format needs --sft")
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        raise ArgumentError(f"--sft needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (its chat "
+                            f"template renders the conversations), got --tokenizer-type {args.tokenizer_type}")
+    if source.kind != "text" or not os.path.isfile(str(source.text_path)):
+        raise ArgumentError(f"--sft needs --data-path FILE.jsonl (one file of conversations), got "
+                            f"{source.describe()}")
+    if eod_flags:
+        raise ArgumentError(f"{' '.join(eod_flags)} with --sft: packed conversations always get their own "
+                            "positions, attention and loss mask (drop the flags)")
+    from core.data.chat_template import load_chat_template
+    from core.data.gpt_dataset import parse_and_normalize_split
+
+    try:
+        load_chat_template(args.tokenizer_model, args.sft_tokenizer_prompt_format or "default")
+        parse_and_normalize_split(args.split)
+    except ValueError as e:
+        raise ArgumentError(_one_line(e)) from None
 
 
 DEFAULT_LR_WARMUP_ITERS = 10

@@ -75,6 +75,10 @@ class DataConfig:
     """``--reset-attention-mask``: attention stays inside each document."""
     eod_mask_loss: bool = False
     """``--eod-mask-loss``: no loss on end-of-document tokens."""
+    sft: bool = False
+    """``--sft``: ``data_path`` is a JSONL of chat conversations, packed, the loss on the assistant's tokens."""
+    sft_tokenizer_prompt_format: str = "default"
+    """``--sft-tokenizer-prompt-format``: the tokenizer's chat template, or one of Megatron's fixed ones."""
 
 
 @dataclasses.dataclass(frozen=True)

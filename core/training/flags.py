@@ -49,6 +49,10 @@ TOKENIZER_TYPE_NAMES = ("ByteLevel", "HuggingFaceTokenizer", "GPT2BPETokenizer",
 building the parser imports nothing of the data layer)."""
 
 
+SFT_PROMPT_FORMAT_NAMES = ("default", "nemotron-h-aligned", "nemotron-nano-v2", "identity")
+"""``--sft-tokenizer-prompt-format`` choices (``core.data.chat_template.PROMPT_FORMATS``' names)."""
+
+
 class ArgumentError(ValueError):
     """Flags that cannot work together (reported as one line, exit code 2)."""
 
@@ -208,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=0,
                    help="accepted for Megatron's command lines; batches are assembled in the training process "
                         "while the previous step runs")
+    g = p.add_argument_group("supervised fine-tuning (docs/data.md, Supervised fine-tuning)")
+    g.add_argument("--sft", action="store_true",
+                   help="train on chat conversations: --data-path is a JSONL file of {\"messages\": [{\"role\", "
+                        "\"content\"}, ...]} lines, rendered with the chat template of --tokenizer-model (a "
+                        "HuggingFaceTokenizer directory), the loss on the assistant's tokens only, conversations "
+                        "packed into --seq-length with their own positions and attention")
+    g.add_argument("--sft-tokenizer-prompt-format", choices=SFT_PROMPT_FORMAT_NAMES, default=None,
+                   help="with --sft: 'default' renders with the tokenizer's own chat template (the default here; "
+                        "Megatron's default is nemotron-h-aligned), the others are Megatron's fixed templates")
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None, help="checkpoint directory")
     g.add_argument("--load", default=None, help="checkpoint directory to resume from")

@@ -1,10 +1,11 @@
 """``PretrainingData``: the datasets, sampler and global batches of a pretraining run.
 
-The data is the built-in corpus, a text file or directory, or Megatron's indexed datasets
-(``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``), whose batches carry Megatron's
-fields (:data:`BATCH_FIELDS`). The data order is a pure function of the seed and the number of
-consumed samples, and dropout is seeded per sample from the seed and the sample's position in
-that order (:func:`dropout_seeds`), so a resumed run reads what the uninterrupted one would.
+The data is the built-in corpus, a text file or directory, Megatron's indexed datasets
+(``--data-path [w] PREFIX ...``, ``--split``, ``--tokenizer-type``) or, with ``--sft``, a JSONL of
+chat conversations; the last two's batches carry Megatron's fields (:data:`BATCH_FIELDS`). The
+data order is a pure function of the seed and the number of consumed samples, and dropout is
+seeded per sample from the seed and the sample's position in that order (:func:`dropout_seeds`),
+so a resumed run reads what the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ from core.data import (
     DataParallelSampler,
     GPTDatasetConfig,
     IndexedDataset,
+    SFTDataset,
     build_gpt_datasets,
     build_train_valid_datasets,
     get_batch,
     get_segment_ids,
+    get_split_document_ids,
+    load_chat_template,
     load_corpus,
+    read_conversations,
 )
 from core.data.gpt_dataset import IndexCacheError
 from core.data.text_dataset import unigram_entropy
@@ -39,10 +44,12 @@ from core.training.config import DataConfig, TrainingConfig
 BATCH_FIELDS = {
     "tokens": "int32 [b, s]: input ids",
     "labels": "int32 [b, s]: next-token ids",
-    "loss_mask": "float32 [b, s]: 0 where a token carries no loss (--eod-mask-loss); indexed data only",
-    "position_ids": "int32 [b, s]: positions restarting after every EOD; with --reset-position-ids only",
-    "segment_ids": "int32 [b, s]: EODs strictly before each position (attend within equal ids); "
-                   "with --reset-attention-mask only",
+    "loss_mask": "float32 [b, s]: 0 where a token carries no loss (--eod-mask-loss; --sft: 1 only where the "
+                 "label is an assistant token); indexed data and --sft only",
+    "position_ids": "int32 [b, s]: positions restarting after every EOD (--reset-position-ids) or at every "
+                    "conversation (--sft)",
+    "segment_ids": "int32 [b, s]: EODs strictly before each position (--reset-attention-mask) or the "
+                   "conversation's index in the packed sequence (--sft); attend within equal ids",
     "dropout_seed": "int32 [b]: per-sample dropout seed (dropout_seeds); training batches of a model "
                     "with dropout only",
 }
@@ -110,6 +117,8 @@ class PretrainingData:
       is shuffled already, so the sampler takes its samples in order (Megatron's
       ``MegatronPretrainingSampler``). Batches: ``tokens``, ``labels``, ``loss_mask`` and, as
       the flags ask, ``position_ids`` and ``segment_ids`` (:data:`BATCH_FIELDS`).
+    * ``--sft``: the JSONL's chat conversations packed into sequences (:meth:`_init_sft`). Batches:
+      all five fields, the loss on the assistant's tokens.
 
     With ``with_dropout_seed`` training batches (never validation ones) also carry ``dropout_seed``.
     """
@@ -129,7 +138,11 @@ class PretrainingData:
         """Whether the data are Megatron indexed datasets."""
         self.vocab_size = data_vocab_size(data)
         """The vocabulary of the data's tokens (the model's, :func:`data_vocab_size`)."""
-        if self.indexed:
+        self.sft = data.sft
+        """Whether the data are chat conversations (``--sft``)."""
+        if self.sft:
+            self._init_sft()
+        elif self.indexed:
             self._init_indexed()
         else:
             self._init_text()
@@ -180,6 +193,39 @@ class PretrainingData:
                                            data_parallel_rank=0, data_parallel_size=1, seed=training.seed,
                                            shuffle=False)
 
+    def _init_sft(self) -> None:
+        """``--sft``: the JSONL's conversations tokenized with the chat template, split by ``--split``
+        and packed (:meth:`_sft_splits`). Packed sequences have no order of their own, so the sampler
+        shuffles them every epoch (seeded by ``--seed``, resumable from the consumed samples)."""
+        data, training = self.data_config, self.training
+        template = load_chat_template(data.tokenizer_model, data.sft_tokenizer_prompt_format)
+        conversations = read_conversations(self.source.text_path, template, self.tokenizer)
+        self.train_data, self.valid_data = self._sft_splits(conversations)
+        train = self.train_data
+        self.unigram_entropy = unigram_entropy(train.target_tokens(), self.vocab_size)
+        valid = 0 if self.valid_data is None else len(self.valid_data.conversations) + self.valid_data.num_dropped
+        self.corpus_description = (
+            f"SFT conversations {self.source.text_path} ({len(conversations)}: "
+            f"{len(train.conversations) + train.num_dropped} train, {valid} valid; chat template {template.origin}; "
+            f"packed {train.fill:.0%} full; {train.num_truncated} truncated to --seq-length, {train.num_dropped} "
+            f"dropped; {data.tokenizer_type} vocabulary {self.vocab_size})")
+        self.sampler = DataParallelSampler(num_samples=len(train), micro_batch_size=training.micro_batch_size,
+                                           data_parallel_rank=0, data_parallel_size=1, seed=training.seed)
+
+    def _sft_splits(self, conversations: list) -> tuple[SFTDataset, SFTDataset | None]:
+        """The training and validation conversations of ``--split`` packed (the test share is not
+        used); ``ValueError`` when training gets none that fits."""
+        split, seq_length, path = self.data_config.split, self.training.seq_length, self.source.text_path
+        train_ids, valid_ids, _ = get_split_document_ids(split, len(conversations))
+        pack = lambda ids: SFTDataset([conversations[i] for i in ids], seq_length, self.training.seed,
+                                      self.tokenizer.eod)
+        train = pack(train_ids) if train_ids is not None else None
+        if train is None or not len(train):
+            raise ValueError(f"--split {split} leaves no training conversation of {path} with an assistant token "
+                             f"within --seq-length {seq_length}")
+        valid = pack(valid_ids) if valid_ids is not None else None
+        return train, valid if valid is not None and len(valid) else None
+
     @property
     def num_valid_samples(self) -> int:
         """Validation samples available (0 when ``--split`` gives validation no documents)."""
@@ -198,6 +244,8 @@ class PretrainingData:
         return batch
 
     def _host_batch(self, dataset: Any, indices: np.ndarray) -> dict[str, np.ndarray]:
+        if self.sft:
+            return dataset.batch(indices)
         return self._indexed_batch(dataset, indices) if self.indexed else get_batch(dataset, indices)
 
     def for_context_parallel(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -84,4 +84,5 @@ def data_config(args: argparse.Namespace) -> DataConfig:
         valid_fraction=args.valid_fraction, tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
         vocab_file=args.vocab_file, merge_file=args.merge_file, vocab_size=args.vocab_size,
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss)
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss, sft=args.sft,
+        sft_tokenizer_prompt_format=args.sft_tokenizer_prompt_format or "default")
