@@ -58,7 +58,7 @@ def hf_models(tmp_path_factory):
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config_class(**{**COMMON, **extra}))
         with torch.no_grad():  # nonzero norms and biases: a mapping mistake must show
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.ndim == 1:
                     p.add_(0.1 * torch.randn_like(p))
         model.eval()

@@ -29,96 +29,15 @@ from core.training.pretraining_data import PretrainingData
 from core.training.run_config import data_config, pretrain_config, training_config
 
 tokenizers = pytest.importorskip("tokenizers")
+from chat_data import FORMATS, GOLDEN, conversation, write_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-LLAMA3 = """{{- bos_token }}
-{%- for message in messages %}
-{%- if message['role'] not in ['system', 'user', 'assistant'] %}
-{{- raise_exception('Unknown role: ' + message['role']) }}
-{%- endif %}
-{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
-{%- if message['role'] == 'assistant' %}
-{%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}
-{%- else %}
-{{- message['content'] | trim + '<|eot_id|>' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
-"""
-"""Llama-3's template, its assistant content in HF's ``{% generation %}`` markers."""
-
-CHATML = """{%- for message in messages %}
-{%- if loop.first and message.role != 'system' %}
-{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
-{%- endif %}
-{%- if message.role in ['system', 'user'] %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message.content + '<|im_end|>\\n' }}{% endgeneration %}
-{%- else %}
-{{- raise_exception('Unknown role: ' + message.role) }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-"""Qwen's ChatML template (its default system message included), the generation markers where
-this package's span rule puts the assistant's tokens: the content, ``<|im_end|>`` and the newline."""
-
-FORMATS = {
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                        "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
-    "chatml": (CHATML, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|im_end|>\n"),
-}
-"""name -> (template, special tokens, bos, eos, what ends an assistant span)."""
-
-CAPITALS = [("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Japan", "Tokyo"), ("Peru", "Lima"),
-            ("Kenya", "Nairobi"), ("Chile", "Santiago"), ("Egypt", "Cairo")]
-NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-
-
-def _conversation(i: int) -> list[dict]:
-    """Conversation ``i``: one to three turns of capital and arithmetic questions, with or without a system message."""
-    country, capital = CAPITALS[i % len(CAPITALS)]
-    a, b = i % 5, (i // 5) % 5
-    messages = [{"role": "system", "content": "You are a helpful assistant."}] if i % 2 else []
-    messages += [{"role": "user", "content": f"What is the capital of {country}?"},
-                 {"role": "assistant", "content": f"The capital of {country} is {capital}."}]
-    for turn in range(i % 3):
-        messages += [{"role": "user", "content": f"What is {NUMBERS[a + turn]} plus {NUMBERS[b]}?"},
-                     {"role": "assistant", "content": f"It is {NUMBERS[a + turn + b]}."}]
-    return messages
-
-
-GOLDEN = [{"role": "system", "content": "You are a helpful assistant."},
-          {"role": "user", "content": "What is the capital of France?"},
-          {"role": "assistant", "content": "The capital of France is Paris."},
-          {"role": "user", "content": "What is two plus two?"},
-          {"role": "assistant", "content": "It is four."}]
-
-
-def _write_tokenizer(directory: Path, name: str, with_template: bool = True) -> Path:
-    """A byte-level BPE with the format's special tokens, saved as Hugging Face lays it out."""
-    template, special, bos, eos, _ = FORMATS[name]
-    corpus = [json.dumps(_conversation(i)) for i in range(40)]
-    bpe = tokenizers.ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus * 3, vocab_size=400, min_frequency=2, special_tokens=special)
-    directory.mkdir(parents=True, exist_ok=True)
-    bpe.save(str(directory / "tokenizer.json"))
-    config = {"eos_token": eos, **({"bos_token": bos} if bos else {})}
-    if with_template and name == "llama3":  # the template in tokenizer_config.json (older layout)
-        config["chat_template"] = template
-    elif with_template:  # chat_template.jinja beside it (newer layout)
-        (directory / "chat_template.jinja").write_text(template)
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
-
 
 @pytest.fixture(scope="module")
 def tokenizer_dirs(tmp_path_factory):
     """name -> tokenizer directory, for both formats."""
     root = tmp_path_factory.mktemp("sft_tokenizers")
-    return {name: _write_tokenizer(root / name, name) for name in FORMATS}
+    return {name: write_tokenizer(root / name, name) for name in FORMATS}
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
@@ -180,7 +99,7 @@ def test_first_fit_packing_matches_the_plain_algorithm():
 def _conversations(directory, count=24):
     tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(directory))
     template = load_chat_template(str(directory))
-    return [tokenize_conversation(_conversation(i), template, tokenizer) for i in range(count)], tokenizer
+    return [tokenize_conversation(conversation(i), template, tokenizer) for i in range(count)], tokenizer
 
 
 def test_packed_fields(tokenizer_dirs):
@@ -258,7 +177,7 @@ def _data(flags, devices=1):
                            ps.build_parallel_state(1, 1, None, devices=jax.devices()[:devices]))
 
 
-GOOD = {"messages": _conversation(1)}
+GOOD = {"messages": conversation(1)}
 
 
 @pytest.mark.parametrize("lines,message", [
@@ -279,7 +198,7 @@ def test_bad_conversations_name_the_line(tokenizer_dirs, tmp_path, lines, messag
 
 def test_bad_flags_one_line(tokenizer_dirs, tmp_path):
     data = _write_jsonl(tmp_path / "data.jsonl", [GOOD] * 4)
-    bare = _write_tokenizer(tmp_path / "bare", "chatml", with_template=False)
+    bare = write_tokenizer(tmp_path / "bare", "chatml", with_template=False)
     cases = [
         (_sft_flags(bare, data), f"--tokenizer-model {bare}: no chat template"),
         (["--sft", "--data-path", str(data)], "--sft needs --tokenizer-type HuggingFaceTokenizer"),
@@ -312,7 +231,7 @@ def test_cli_bad_file_exits_with_one_line(tokenizer_dirs, tmp_path):
 def test_sft_training_lowers_the_loss_and_resumes_at_the_same_position(tokenizer_dirs, tmp_path):
     """The batches at dp=2 are those of one device (the data does not depend on the layout); 6
     iterations at dp=2 lower the loss, and resuming from a checkpoint at 3 repeats iterations 4-6 exactly."""
-    data = _write_jsonl(tmp_path / "data.jsonl", [{"messages": _conversation(i)} for i in range(60)])
+    data = _write_jsonl(tmp_path / "data.jsonl", [{"messages": conversation(i)} for i in range(60)])
     flags = _sft_flags(tokenizer_dirs["llama3"], data, "--num-layers", "2", "--hidden-size", "32",
                        "--num-attention-heads", "2", "--micro-batch-size", "2", "--global-batch-size", "8",
                        "--train-iters", "6", "--lr", "1e-2", "--lr-warmup-iters", "1", "--eval-iters", "1",
