@@ -14,6 +14,7 @@ bias, q/k norm) and ``GPTModel.logits``.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -274,3 +275,33 @@ def test_logits_inside_shard_map_give_the_local_batch():
     one, host = _one_device_params(ALL)
     np.testing.assert_allclose(got, np.asarray(one.global_logits(host, tokens)), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[2:], np.asarray(one.global_logits(host, tokens[2:])), rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoint_model_record_round_trips_and_reads_older_records():
+    """The options enter the checkpoint's model record and read back equal from its JSON; a
+    record without them (written before they existed) is the model with their defaults."""
+    differences = lambda config, saved: _checkpointer(config)._model_differences(saved)
+    record = json.loads(json.dumps(_record(ALL)))
+    assert record["rope_scaling_factor"] == 8.0 and record["kv_channels"] == 32 and record["qk_layernorm"] is True
+    assert differences(ALL, record) == ""
+    plain = dataclasses.replace(ALL, rope_scaling=False, rope_scaling_original_max_position_embeddings=8192,
+                                kv_channels=None, add_qkv_bias=False, qk_layernorm=False)
+    older = {k: v for k, v in _record(plain).items() if not k.startswith("rope_scaling") and
+             k not in ("kv_channels", "add_qkv_bias", "qk_layernorm")}
+    assert differences(plain, older) == ""
+    assert differences(ALL, older) == (
+        "rope_scaling=False (now True), rope_scaling_original_max_position_embeddings=8192 (now 8), "
+        "kv_channels=None (now 32), add_qkv_bias=False (now True), qk_layernorm=False (now True)")
+
+
+def _checkpointer(config: GPTConfig):
+    """A Checkpointer with only its model config (all its model record reads)."""
+    from core.checkpointing.checkpointer import Checkpointer
+
+    checkpointer = Checkpointer.__new__(Checkpointer)
+    checkpointer.model_config = config
+    return checkpointer
+
+
+def _record(config: GPTConfig) -> dict:
+    return _checkpointer(config).model_record()
