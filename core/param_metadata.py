@@ -32,6 +32,9 @@ class ParallelPartitioned(nn.Partitioned):
     """Word embedding tied between first and last pipeline stage (own DDP bucket, embd all-reduce)."""
     expert: bool = struct.field(pytree_node=False, default=False)
     """Expert parameter: reduced over the expert-data-parallel group, not the dense one."""
+    tp_partial_grad: bool = struct.field(pytree_node=False, default=False)
+    """Replicated over tp but applied to this rank's share of the heads (the q/k norms): grads
+    all-reduced over tp with or without sequence parallelism."""
 
     def unbox(self, apply_constraint: bool = True) -> Any:
         """The raw value. Layers run inside ``shard_map`` on local shards, where a sharding
@@ -48,6 +51,7 @@ def with_parallel_metadata(
     sequence_parallel: bool = False,
     shared_embedding: bool = False,
     expert: bool = False,
+    tp_partial_grad: bool = False,
 ) -> Callable[..., ParallelPartitioned]:
     """Wrap a flax initializer so the parameter it creates carries parallel metadata.
 
@@ -62,6 +66,7 @@ def with_parallel_metadata(
             sequence_parallel=sequence_parallel,
             shared_embedding=shared_embedding,
             expert=expert,
+            tp_partial_grad=tp_partial_grad,
         )
 
     return wrapped
@@ -79,6 +84,13 @@ class ParamInfo:
     """Tied word embedding / output weight shared by first and last pipeline stage."""
     expert: bool = False
     """Expert parameter (reduced over expert-data-parallel ranks)."""
+    tp_partial_grad: bool = False
+    """Replicated over tp, each rank's grad covers only its heads (q/k norms): all-reduced over tp."""
+
+    @property
+    def grad_summed_over_tp(self) -> bool:
+        """Whether each tp rank's grad is a partial sum (``sequence_parallel`` or ``tp_partial_grad``)."""
+        return self.sequence_parallel or self.tp_partial_grad
 
     def split_over(self, axis: str) -> bool:
         """Whether some dimension of the parameter is split over mesh axis ``axis``."""
@@ -115,6 +127,7 @@ def _info(leaf: Any) -> ParamInfo:
                 sequence_parallel=leaf.sequence_parallel,
                 shared_embedding=leaf.shared_embedding,
                 expert=leaf.expert,
+                tp_partial_grad=leaf.tp_partial_grad,
             )
         return info
     return ParamInfo(PartitionSpec())

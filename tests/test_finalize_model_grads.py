@@ -1,10 +1,11 @@
-"""finalize_model_grads: sequence-parallel grads over tp, tied embeddings over pp, token scaling."""
+"""finalize_model_grads: sequence-parallel and per-head (tp_partial_grad) grads over tp, tied embeddings over pp, token scaling."""
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -18,9 +19,11 @@ from core.param_metadata import ParamInfo, with_parallel_metadata
 from core.training.train_step import make_train_step
 
 
-def test_sequence_parallel_norm_grads_summed_over_tp():
-    # A norm-like scale applied to sequence shards: each tp rank sees a different slice, so its
-    # grad is partial; after the tp sum every tp rank holds the full single-device grad.
+@pytest.mark.parametrize("flag", ["sequence_parallel", "tp_partial_grad"])
+def test_sequence_parallel_norm_grads_summed_over_tp(flag):
+    # A norm-like scale applied to sequence shards (or, tp_partial_grad, to each rank's heads as
+    # the q/k norms are): each tp rank sees a different slice, so its grad is partial; after the
+    # tp sum every tp rank holds the full single-device grad.
     state = ps.build_parallel_state(2)
     x = np.random.default_rng(0).normal(size=(16, 6)).astype(np.float32)  # [seq, hidden]
     w = np.linspace(0.5, 1.5, 6).astype(np.float32)
@@ -29,7 +32,7 @@ def test_sequence_parallel_norm_grads_summed_over_tp():
 
     def body(w, xs):
         g = jax.grad(loss)(w, xs)
-        (g,) = allreduce_model_parallel_grads([g], [ParamInfo(P(), sequence_parallel=True)], state)
+        (g,) = allreduce_model_parallel_grads([g], [ParamInfo(P(), **{flag: True})], state)
         return g[None]
 
     spec = P(("pp", "dp", "ep", "cp", "tp"))

@@ -42,6 +42,14 @@ LLAMA = GPTConfig(vocab_size=61, padded_vocab_size=64, num_layers=4, hidden_size
                   attention_dropout=0.1, hidden_dropout=0.1)
 """Every option at once (dropout rates set: they act only on batches with ``dropout_seed``)."""
 
+QWEN_LLAMA31 = dataclasses.replace(
+    LLAMA, rotary_percent=1.0, attention_dropout=0.0, hidden_dropout=0.0, kv_channels=32,
+    add_qkv_bias=True, qk_layernorm=True, rope_scaling=True, rope_scaling_original_max_position_embeddings=8,
+    layernorm_epsilon=1e-6)
+"""The Llama 3.1 / Qwen options together (rope scaling that matters at seq 32, heads 32 wide in a
+64-wide model, a QKV bias without other biases, q/k RMSNorm) on the Llama-class ones (GQA,
+SwiGLU, RMSNorm, untied output, padded vocabulary)."""
+
 GPT = GPTConfig(vocab_size=61, padded_vocab_size=64, num_layers=2, hidden_size=64, num_attention_heads=4,
                 ffn_hidden_size=96, seq_length=S, sequence_parallel=True)
 """The classic options (LayerNorm, gelu, biases, MHA, learned positions, tied) with padding."""
@@ -61,11 +69,31 @@ def _dense(x, p):
     return y + p["bias"] if "bias" in p else y
 
 
+def _llama3_scaling(cfg, inv_freq):
+    """Llama 3.1's per-frequency scaling, written per frequency as Meta's reference does."""
+    low_wavelen = cfg.rope_scaling_original_max_position_embeddings / cfg.rope_scaling_low_freq_factor
+    high_wavelen = cfg.rope_scaling_original_max_position_embeddings / cfg.rope_scaling_high_freq_factor
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / cfg.rope_scaling_factor)
+        else:
+            smooth = ((cfg.rope_scaling_original_max_position_embeddings / wavelen - cfg.rope_scaling_low_freq_factor)
+                      / (cfg.rope_scaling_high_freq_factor - cfg.rope_scaling_low_freq_factor))
+            out.append((1 - smooth) * f / cfg.rope_scaling_factor + smooth * f)
+    return np.asarray(out, np.float32)
+
+
 def _rope(cfg, x, pos):
     """``x`` [b, s, heads, d]: rotate the first rot dims by position (x1 cos - x2 sin, x2 cos + x1 sin)."""
     d = x.shape[-1]
     rot = int(d * cfg.rotary_percent)
     inv_freq = 1.0 / cfg.rotary_base ** (np.arange(0, rot, 2) / rot)
+    if cfg.rope_scaling:
+        inv_freq = _llama3_scaling(cfg, inv_freq)
     ang = pos[..., None].astype(jnp.float32) * inv_freq  # [b, s, rot/2]
     cos, sin = jnp.cos(ang)[:, :, None], jnp.sin(ang)[:, :, None]
     x1, x2, rest = x[..., :rot // 2], x[..., rot // 2:rot], x[..., rot:]
@@ -75,17 +103,19 @@ def _rope(cfg, x, pos):
 def _layer(cfg, x, p, pos, seg):
     b, s, h = x.shape
     heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
-    d, r = h // heads, heads // groups
+    d, r = cfg.kv_channels or h // heads, heads // groups
     qkv = _dense(_norm(cfg, x, p["input_layernorm"]), p["self_attention"]["linear_qkv"]).reshape(b, s, groups, r + 2, d)
     q = qkv[:, :, :, :r].reshape(b, s, heads, d)
     k, v = qkv[:, :, :, r], qkv[:, :, :, r + 1]
+    if cfg.qk_layernorm:  # per head, before rotary
+        q, k = _norm(cfg, q, p["self_attention"]["q_layernorm"]), _norm(cfg, k, p["self_attention"]["k_layernorm"])
     if cfg.position_embedding_type == "rope":
         q, k = _rope(cfg, q, pos), _rope(cfg, k, pos)
     k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)  # query head i reads group i // r
     scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / np.sqrt(d)
     allowed = np.tril(np.ones((s, s), bool))[None, None] & (seg[:, :, None] == seg[:, None, :])[:, None]
     probs = jax.nn.softmax(jnp.where(allowed, scores, -jnp.inf), -1)
-    attn = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, h)
+    attn = jnp.einsum("bnqk,bknd->bqnd", probs, v).reshape(b, s, heads * d)
     x = x + _dense(attn, p["self_attention"]["linear_proj"])
     mlp = p["mlp"]
     y = _norm(cfg, x, mlp["layernorm"])
@@ -192,6 +222,16 @@ def make_batch(cfg, b, seed=0, boundaries=None, options=("loss_mask", "position_
     return batch
 
 
+def perturb_zero_leaves(params, seed=0):
+    """``params`` with every all-zero leaf but the padding rows' (biases at init) drawn
+    ``N(0, 0.02)``, keeping each leaf's sharding: a wrongly laid-out bias then shows."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [jax.device_put(0.02 * jax.random.normal(k, a.shape, a.dtype), a.sharding) if not np.any(np.asarray(a))
+           else a for k, a in zip(keys, leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
 def _flat_layers(tree):
     """Layer params as [L, ...] whatever the vpp stacking, as host numpy."""
     tree = jax.tree.map(np.asarray, tree)
@@ -208,12 +248,16 @@ def assert_trees_close(got, want, rtol, atol_scale=1e-5):
 
 
 # -- tests -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+@pytest.mark.parametrize("cfg", [LLAMA, GPT, QWEN_LLAMA31], ids=["llama", "gpt", "qwen-llama31"])
 def test_tp2_sequence_parallel_matches_reference(cfg):
     """tp=2 + SP, every option and batch field (loss mask, positions, segments) at once; the
-    LLAMA config has dropout rates but its batch no ``dropout_seed``: no dropout runs."""
+    LLAMA config has dropout rates but its batch no ``dropout_seed``: no dropout runs. The q/k
+    norms see each tp rank's heads: their grads match only if summed over tp."""
     batch = make_batch(cfg, 4)
-    params, loss, grads = parallel(cfg, batch, tp=2)
+    params, step = _parallel(cfg, 2, 1, 1, 1)
+    params = perturb_zero_leaves(params)  # biases: zero at init, compared at nonzero values
+    loss, grads = step(params, batch)
+    loss = float(loss)
     want_loss, want_grads = reference(cfg, params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_trees_close(grads, want_grads, rtol=1e-4)
@@ -313,11 +357,15 @@ def test_dropout_is_layout_invariant():
         assert np.linalg.norm(g - w) > 0.01 * np.linalg.norm(w)
 
 
-def test_pipeline_layout_matches_reference_without_dropout():
+@pytest.mark.parametrize("cfg", [LLAMA, QWEN_LLAMA31], ids=["llama", "qwen-llama31"])
+def test_pipeline_layout_matches_reference_without_dropout(cfg):
     """tp2 x SP x pp2 (vpp2) x dp2 on 8 devices equals the reference (no dropout_seed)."""
-    batch = make_batch(LLAMA, 8, seed=2)
-    params, loss, grads = parallel(LLAMA, batch, tp=2, pp=2, vpp=2, dp=2)
-    want_loss, want_grads = reference(LLAMA, params, batch)
+    batch = make_batch(cfg, 8, seed=2)
+    params, step = _parallel(cfg, 2, 2, 2, 2)
+    params = perturb_zero_leaves(params)
+    loss, grads = step(params, batch)
+    loss = float(loss)
+    want_loss, want_grads = reference(cfg, params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     assert_trees_close(grads, want_grads, rtol=1e-4)
 

@@ -24,6 +24,37 @@ def test_megatron_flags_map_onto_the_config():
     assert (config.vocab_size, config.padded_vocab_size) == (257, 384)  # a multiple of 64 x tp 2
 
 
+def test_llama31_and_qwen_flags_map_onto_the_config():
+    flags = LLAMA + ["--use-rope-scaling", "--rope-scaling-factor", "32", "--rope-scaling-low-freq-factor", "2",
+                     "--rope-scaling-high-freq-factor", "8", "--rope-scaling-original-max-position-embeddings",
+                     "4096", "--kv-channels", "48", "--add-qkv-bias", "--qk-layernorm"]
+    config = model_config(parse_args(flags), vocab_size=257)
+    assert (config.rope_scaling, config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+            config.rope_scaling_high_freq_factor, config.rope_scaling_original_max_position_embeddings) == \
+        (True, 32.0, 2.0, 8.0, 4096)
+    assert (config.kv_channels, config.head_dim, config.add_qkv_bias, config.qk_layernorm) == (48, 48, True, True)
+    assert config.layernorm_epsilon == 1e-6  # --norm-epsilon: every norm, the q/k norms included
+    plain = model_config(parse_args(LLAMA), vocab_size=257)
+    assert (plain.rope_scaling, plain.rope_scaling_factor, plain.kv_channels, plain.add_qkv_bias,
+            plain.qk_layernorm) == (False, 8.0, None, False, False)  # Megatron's defaults
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--use-rope-scaling", "--rope-scaling-factor", "0"], "rope-scaling-factor must be positive, got 0.0"),
+    (["--use-rope-scaling", "--rope-scaling-low-freq-factor", "4"],
+     "rope-scaling-low-freq-factor 4.0 must be positive and below rope-scaling-high-freq-factor 4.0"),
+    (["--use-rope-scaling", "--position-embedding-type", "learned_absolute"],
+     "use-rope-scaling needs position-embedding-type 'rope'"),
+    (["--kv-channels", "0"], "kv-channels must be positive, got 0"),
+], ids=["factor", "low-high", "learned", "kv-channels"])
+def test_llama31_and_qwen_flags_that_cannot_work_are_refused(flags, message):
+    base = ["--position-embedding-type", "rope", "--tensor-model-parallel-size", "1",
+            "--pipeline-model-parallel-size", "1"]
+    with pytest.raises(ArgumentError) as err:
+        validate_args(parse_args(base + flags), 1)
+    assert message in str(err.value)
+
+
 def test_defaults_keep_the_plain_gpt():
     config = model_config(parse_args(["--tensor-model-parallel-size", "2"]), vocab_size=256)
     assert (config.normalization, config.swiglu, config.num_query_groups, config.add_bias_linear) == \

@@ -76,7 +76,8 @@ def test_help_lists_megatron_flags():
                  "--exit-duration-in-mins", "--exit-signal-handler", "--exit-signal", "--eval-interval", "--eval-iters",
                  "--log-interval", "--metrics-file", "--normalization", "--swiglu", "--group-query-attention",
                  "--num-query-groups", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
-                 "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by"]:
+                 "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by",
+                 "--use-rope-scaling", "--rope-scaling-factor", "--kv-channels", "--add-qkv-bias", "--qk-layernorm"]:
         assert flag in out
 
 

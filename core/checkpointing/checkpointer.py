@@ -403,7 +403,10 @@ class Checkpointer:
 
     def _model_differences(self, saved: dict) -> str:
         """The fields of :meth:`model_record` where ``saved`` differs, as ``name=saved (now
-        this run's)``; empty when none do."""
+        this run's)``; empty when none do. A field an older checkpoint's record lacks (an option
+        added since) is its default, which that checkpoint's model had."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self.model_config)}
+        saved = {**{k: defaults.get(k) for k in self.model_record() if k not in saved}, **saved}
         return ", ".join(f"{k}={saved.get(k)!r} (now {v!r})" for k, v in self.model_record().items()
                          if saved.get(k) != v)
 

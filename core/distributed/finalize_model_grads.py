@@ -18,7 +18,8 @@ data-parallel ranks). Three factors produce it, each applied exactly once:
 Model-parallel reductions, SPMD form of Megatron's groups
 ---------------------------------------------------------
 * tensor parallelism: grads of ``sequence_parallel`` params (norms and row-parallel biases
-  fed by sequence shards) are partial per tp rank and are summed over ``"tp"``;
+  fed by sequence shards) and of ``tp_partial_grad`` params (the q/k norms, applied to each
+  rank's heads) are partial per tp rank and are summed over ``"tp"``;
 * pipeline parallelism: every stage runs the same program, so a parameter that is not split
   over ``"pp"`` (the tied word embedding used by the first stage's lookup and the last
   stage's output layer, position embeddings, ...) exists on every stage and receives
@@ -50,10 +51,10 @@ from core.param_metadata import ParamInfo
 def allreduce_model_parallel_grads(
     grad_leaves: Sequence[jax.Array], infos: Sequence[ParamInfo], state: ParallelState
 ) -> list[jax.Array]:
-    """Sum sequence-parallel grads over tp and pipeline-replicated grads over pp."""
+    """Sum tp-partial grads (sequence-parallel, per-head) over tp and pipeline-replicated grads over pp."""
     out = list(grad_leaves)
     for i, info in enumerate(infos):
-        if info.sequence_parallel and state.tensor_model_parallel_size > 1:
+        if info.grad_summed_over_tp and state.tensor_model_parallel_size > 1:
             out[i] = lax.psum(out[i], TP_AXIS)
         if state.pipeline_model_parallel_size > 1 and not info.split_over(PP_AXIS):
             out[i] = lax.psum(out[i], PP_AXIS)

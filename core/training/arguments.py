@@ -480,6 +480,7 @@ MODEL_FLAG_RULES: dict[str, Any] = {
         checkpoint_vocab_size(args, vocab), args.make_vocab_size_divisible_by, args.tensor_model_parallel_size or 1),
     "num_query_groups": lambda args, _: args.num_query_groups if args.group_query_attention else None,
     "layernorm_epsilon": lambda args, _: args.norm_epsilon,
+    "rope_scaling": lambda args, _: args.use_rope_scaling,
     "add_bias_linear": lambda args, _: not args.disable_bias_linear,
     "share_embeddings_and_output_weights": lambda args, _: not args.untie_embeddings_and_output_weights,
     "recompute_granularity": lambda args, _: recompute_granularity(args),
@@ -504,7 +505,8 @@ def model_config(args: argparse.Namespace, vocab_size: int = 256) -> GPTConfig:
 
 
 # The GPTConfig fields whose names are not their flags' (messages of GPTConfig.validate name fields).
-_MODEL_FIELD_FLAGS = {"layernorm_epsilon": "norm-epsilon", "padded_vocab_size": "padded vocabulary",
+_MODEL_FIELD_FLAGS = {"layernorm_epsilon": "norm-epsilon", "rope_scaling": "use-rope-scaling",
+                      "padded_vocab_size": "padded vocabulary",
                       "vocab_size": "vocabulary", "unroll_layers": "scan-layers", "head_dim": "head dimension",
                       "query_groups": "num-query-groups", "ffn_size": "ffn-hidden-size"}
 

@@ -102,6 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="base of the rotary frequencies")
     g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dims that rotary rotates")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.1's rotary frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="with --use-rope-scaling: the low frequencies are divided by this factor")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=1.0,
+                   help="with --use-rope-scaling: wavelengths above original / this are fully scaled")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=4.0,
+                   help="with --use-rope-scaling: wavelengths below original / this are left unscaled")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=8192,
+                   help="with --use-rope-scaling: the context length before the scaling")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head (default hidden-size / num-attention-heads)")
+    g.add_argument("--add-qkv-bias", action="store_true", help="a bias on the QKV projection (with "
+                                                               "--disable-bias-linear too)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each query and key head (the --normalization norm) before rotary")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm / RMSNorm")

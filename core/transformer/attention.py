@@ -22,7 +22,8 @@ from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS
 from core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from core.transformer.dot_product_attention import causal_attention, preferred_layout
 from core.transformer.layer_context import DROPOUT_ATTENTION_PROBS, LayerContext, dropout_keys
-from core.transformer.rotary_pos_embedding import apply_rotary
+from core.transformer.norms import build_norm
+from core.transformer.rotary_pos_embedding import apply_rotary, inverse_frequencies, llama3_scaled_frequencies
 from core.transformer.transformer_config import TransformerConfig
 from core.transformer.utils import init_method_normal, output_init_std
 
@@ -114,7 +115,12 @@ class ParallelAttention(nn.Module):
     The fused QKV weight is laid out by query group, as Megatron's: ``[groups, r + 2, head_dim]``
     rows (the group's ``r = heads / groups`` query heads, then its key, then its value; with
     one group per head, plain multi-head attention, that is ``[heads, 3, head_dim]``), so
-    splitting its rows over tp gives each rank whole groups with their query heads.
+    splitting its rows over tp gives each rank whole groups with their query heads. Its bias
+    (``add_bias_linear`` or ``add_qkv_bias``) has the same row order. The heads are
+    ``head_dim = kv_channels`` wide (default ``hidden / heads``): the QKV projection has
+    ``(heads + 2 * groups) * head_dim`` rows and ``linear_proj`` ``heads * head_dim`` inputs.
+    ``qk_layernorm`` normalises each query and key head (params ``q_layernorm`` and ``k_layernorm``,
+    ``[head_dim]``) before rotary, as Megatron and Qwen3 do.
     """
 
     config: TransformerConfig
@@ -127,7 +133,8 @@ class ParallelAttention(nn.Module):
         ctx = ctx if ctx is not None else LayerContext()
         h, heads, groups, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         r = heads // groups
-        qkv, _ = ColumnParallelLinear(h, (heads + 2 * groups) * head_dim, bias=cfg.add_bias_linear,
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
+        qkv, _ = ColumnParallelLinear(h, (heads + 2 * groups) * head_dim, bias=qkv_bias,
                                       sequence_parallel=cfg.sequence_parallel,
                                       init_method=init_method_normal(cfg.init_method_std), name="linear_qkv")(x)
         s, b = qkv.shape[0], qkv.shape[1]
@@ -138,9 +145,11 @@ class ParallelAttention(nn.Module):
             q, k, v = split_qkv(qkv.reshape(s, b, local_heads, 3, head_dim), layout)
         else:
             q, k, v = split_qkv_grouped(qkv.reshape(s, b, local_groups, r + 2, head_dim), layout)
+        if cfg.qk_layernorm:
+            q, k = _qk_norm(cfg, "q_layernorm")(q), _qk_norm(cfg, "k_layernorm")(k)
         if cfg.position_embedding_type == "rope":
             rotary = partial(apply_rotary, base=cfg.rotary_base, layout=layout, positions=ctx.position_ids,
-                             rotary_dim=cfg.rotary_dim)
+                             rotary_dim=cfg.rotary_dim, inv_freq=rotary_frequencies(cfg))
             q, k = rotary(q), rotary(k)
         if cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
@@ -163,10 +172,27 @@ class ParallelAttention(nn.Module):
                                    dropout_rate=cfg.attention_dropout)
         out = jnp.transpose(out, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
         # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
-        out, _ = RowParallelLinear(h, h, bias=cfg.add_bias_linear, input_is_parallel=True,
+        out, _ = RowParallelLinear(heads * head_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,
                                    sequence_parallel=cfg.sequence_parallel,
                                    init_method=init_method_normal(output_init_std(cfg)), name="linear_proj")(out)
         return out
+
+
+def rotary_frequencies(cfg: TransformerConfig) -> jax.Array:
+    """The ``[rotary_dim / 2]`` rotary frequencies, Llama 3.1-scaled with ``rope_scaling``."""
+    inv_freq = inverse_frequencies(cfg.rotary_base, cfg.rotary_dim)
+    if not cfg.rope_scaling:
+        return inv_freq
+    return llama3_scaled_frequencies(inv_freq, cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor,
+                                     cfg.rope_scaling_high_freq_factor,
+                                     cfg.rope_scaling_original_max_position_embeddings)
+
+
+def _qk_norm(cfg: TransformerConfig, name: str) -> nn.Module:
+    """The configured norm over each head's ``head_dim`` channels. Its input is this rank's heads
+    over the whole (local) sequence, so its grads are partial per tp rank with or without
+    sequence parallelism (``tp_partial_grad``), never ``sequence_parallel``-tagged."""
+    return build_norm(cfg.normalization, cfg.layernorm_epsilon, False, name, tp_partial_grad=True)
 
 
 def _in_pipeline_stage() -> bool:

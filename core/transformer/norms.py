@@ -12,13 +12,17 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 """What :func:`build_norm` accepts (Megatron's ``--normalization``)."""
 
 
-def build_norm(normalization: str, epsilon: float, sequence_parallel: bool, name: str) -> nn.Module:
+def build_norm(normalization: str, epsilon: float, sequence_parallel: bool, name: str,
+               tp_partial_grad: bool = False) -> nn.Module:
     """A ``LayerNorm`` (params ``scale``, ``bias``) or ``RMSNorm`` (``scale``) over the last dim.
 
     Its params are replicated over tp; under sequence parallelism each rank normalises only its
     sequence shard, so they are tagged ``sequence_parallel`` (their grads are summed over tp).
+    ``tp_partial_grad``: the norm sees only this rank's heads (the q/k norms), so its grads are
+    summed over tp whatever the sequence parallelism.
     """
-    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sequence_parallel)
+    meta = lambda init: with_parallel_metadata(init, (None,), sequence_parallel=sequence_parallel,
+                                               tp_partial_grad=tp_partial_grad)
     if normalization == "LayerNorm":
         return FusedLayerNorm(epsilon=epsilon, scale_init=meta(nn.initializers.ones),
                               bias_init=meta(nn.initializers.zeros), name=name)

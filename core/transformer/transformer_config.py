@@ -32,6 +32,22 @@ class TransformerConfig:
     """Base of the rotary frequencies."""
     rotary_percent: float = 1.0
     """Share of each head's dims that rotary rotates (the rest pass unrotated), in (0, 1]."""
+    rope_scaling: bool = False
+    """Llama 3.1's rotary frequency scaling (Megatron's ``--use-rope-scaling``, HF ``rope_type="llama3"``)."""
+    rope_scaling_factor: float = 8.0
+    """With ``rope_scaling``: the low frequencies are divided by this factor."""
+    rope_scaling_low_freq_factor: float = 1.0
+    """With ``rope_scaling``: wavelengths above ``original / low_freq_factor`` are fully scaled."""
+    rope_scaling_high_freq_factor: float = 4.0
+    """With ``rope_scaling``: wavelengths below ``original / high_freq_factor`` are left unscaled."""
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """With ``rope_scaling``: the context length the model was pretrained with before the scaling."""
+    kv_channels: int | None = None
+    """Channels per attention head (Megatron's ``--kv-channels``); None means ``hidden_size / num_attention_heads``."""
+    add_qkv_bias: bool = False
+    """A bias on the fused QKV projection even without ``add_bias_linear`` (Megatron's ``--add-qkv-bias``, Qwen2)."""
+    qk_layernorm: bool = False
+    """The configured norm on each query and key head before rotary (Megatron's ``--qk-layernorm``, Qwen3)."""
     normalization: str = "LayerNorm"
     """``"LayerNorm"`` or ``"RMSNorm"`` (every norm of the model)."""
     swiglu: bool = False
@@ -93,8 +109,8 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        """Channels per attention head."""
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head: ``kv_channels`` or ``hidden_size / num_attention_heads``."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -112,8 +128,10 @@ class TransformerConfig:
         checks = [
             (self.num_attention_heads % tp == 0, f"num_attention_heads {self.num_attention_heads} is not divisible "
                                                  f"by tensor_model_parallel_size {tp}"),
-            (self.hidden_size % self.num_attention_heads == 0, f"hidden_size {self.hidden_size} is not divisible "
-                                                               f"by num_attention_heads {self.num_attention_heads}"),
+            (self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+             f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads} "
+             "(set kv_channels for another head width)"),
+            (self.kv_channels is None or self.kv_channels > 0, f"kv_channels must be positive, got {self.kv_channels}"),
             (self.num_attention_heads % self.query_groups == 0,
              f"num_attention_heads {self.num_attention_heads} is not divisible by num_query_groups "
              f"{self.query_groups}"),
@@ -127,6 +145,7 @@ class TransformerConfig:
             (self.position_embedding_type != "rope" or (self.rotary_dim > 0 and self.rotary_dim % 2 == 0),
              f"rotary_percent {self.rotary_percent} of head_dim {self.head_dim} gives {self.rotary_dim} rotary "
              "dims; rope needs a positive even number"),
+            *self._rope_scaling_checks(),
             (self.normalization in ("LayerNorm", "RMSNorm"),
              f"normalization must be 'LayerNorm' or 'RMSNorm', got {self.normalization!r}"),
             (0.0 <= self.attention_dropout < 1.0, f"attention_dropout must be in [0, 1), got {self.attention_dropout}"),
@@ -141,3 +160,19 @@ class TransformerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def _rope_scaling_checks(self) -> list[tuple[bool, str]]:
+        """``validate``'s checks of the Llama 3.1 rope scaling (only when it is on)."""
+        if not self.rope_scaling:
+            return []
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        return [
+            (self.position_embedding_type == "rope",
+             f"rope_scaling needs position_embedding_type 'rope', got {self.position_embedding_type!r}"),
+            (self.rope_scaling_factor > 0, f"rope_scaling_factor must be positive, got {self.rope_scaling_factor}"),
+            (0 < low < high, f"rope_scaling_low_freq_factor {low} must be positive and below "
+                             f"rope_scaling_high_freq_factor {high}"),
+            (self.rope_scaling_original_max_position_embeddings > 0,
+             "rope_scaling_original_max_position_embeddings must be positive, got "
+             f"{self.rope_scaling_original_max_position_embeddings}"),
+        ]

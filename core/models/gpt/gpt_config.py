@@ -38,12 +38,13 @@ class GPTConfig(TransformerConfig):
         with its grouped-query and SwiGLU terms; the logits over the padded vocabulary; MoE layers
         count their router, top-k routed experts and shared expert)."""
         h, s, layers = self.hidden_size, self.seq_length, self.num_layers
-        # forward per token and layer: qkv 2h(h + 2 G d) (6h^2 for multi-head), projection 2h^2,
-        # MLP 4h*ffn (x 3/2 with SwiGLU's third matrix), scores + values 4sh
-        qkv = 2 * h * (h + 2 * self.query_groups * self.head_dim)
+        a = self.num_attention_heads * self.head_dim  # attention width (h unless kv_channels sets it)
+        # forward per token and layer: qkv 2h(a + 2 G d) (6h^2 for multi-head), projection 2ah,
+        # MLP 4h*ffn (x 3/2 with SwiGLU's third matrix), scores + values 4sa
+        qkv = 2 * h * (a + 2 * self.query_groups * self.head_dim)
         glu = 1.5 if self.swiglu else 1.0
         mlp = 4 * h * self.ffn_size * glu
-        per_layer = qkv + 2 * h * h + 4 * s * h
+        per_layer = qkv + 2 * a * h + 4 * s * a
         logits = 2 * h * self.vocab_rows
         # MoE layers: the router, each token's k experts and the shared expert (active parameters).
         moe_layers = sum(self.moe_layer_pattern)
@@ -60,11 +61,18 @@ class GPTConfig(TransformerConfig):
         heads = f"{self.num_attention_heads} heads"
         if self.num_query_groups not in (None, self.num_attention_heads):
             heads += f" in {self.num_query_groups} query groups"
+        if self.kv_channels is not None:
+            heads += f" of {self.kv_channels} channels"
         parts = [f"{self.num_layers} layers", f"hidden {self.hidden_size}", heads, f"ffn {self.ffn_size}",
                  f"seq {self.seq_length}", self.normalization, "SwiGLU" if self.swiglu else "GELU",
                  "rope" if self.position_embedding_type == "rope" else "learned positions"]
+        if self.position_embedding_type == "rope" and self.rope_scaling:
+            parts.append(f"llama3 rope scaling x{self.rope_scaling_factor} from "
+                         f"{self.rope_scaling_original_max_position_embeddings}")
+        if self.qk_layernorm:
+            parts.append("qk norm")
         if not self.add_bias_linear:
-            parts.append("no bias")
+            parts.append("qkv bias only" if self.add_qkv_bias else "no bias")
         if not self.share_embeddings_and_output_weights:
             parts.append("untied output")
         if self.vocab_rows != self.vocab_size:

@@ -32,6 +32,7 @@ microbatch loop; with pipelining :meth:`GPTModel.forward_backward` runs Megatron
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -44,8 +45,8 @@ from core.context_parallel import cp_positions
 from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_model_loss_terms
-from core.parallel_state import CP_AXIS, PP_AXIS, ParallelState
-from core.param_metadata import unbox
+from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS, ParallelState
+from core.param_metadata import param_info_tree, unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
 from core.transformer.layer_context import LayerContext
@@ -219,11 +220,15 @@ class GPTModel:
         microbatch's labels (bare labels also accepted) as the loss contract's terms: ``(loss
         summed over this rank's tokens, their number)``, weighted by the loss mask."""
         batch = microbatch if isinstance(microbatch, dict) else {"labels": microbatch}
+        logits = self._output_logits(shared, x)
+        return language_model_loss_terms(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size)
+
+    def _output_logits(self, shared: dict, x: jax.Array) -> jax.Array:
+        """Final norm and output layer: vocabulary-split ``[s, b, V/tp]`` logits (compute dtype)."""
         shared = self._cast(shared)
         word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
             else None
-        logits = self.head.apply({"params": shared["head"]}, x, word)
-        return language_model_loss_terms(logits, batch["labels"], batch.get("loss_mask"), self.config.vocab_size)
+        return self.head.apply({"params": shared["head"]}, x, word)
 
     @property
     def sequence_axis(self) -> str | None:
@@ -248,12 +253,7 @@ class GPTModel:
         ``model_state``: :meth:`moe_state_shape`'s local arrays, needed with the expert bias."""
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
-        x = self.embed(params, microbatch)
-        stats = []
-        for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
-            x, st = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
-                                    c * self.layers_per_chunk, _chunk_bias(model_state, c))
-            stats.append(st)
+        x, stats = self._hidden_states(params, microbatch, model_state)
         report = {}
         if self.moe_layer is not None:
             total = sum(st["total"] for st in stats)
@@ -261,6 +261,56 @@ class GPTModel:
             report = self.moe_metrics(stats)
         loss_sum, num_tokens = self.loss(params, x, microbatch)
         return loss_sum, num_tokens, report
+
+    def _hidden_states(self, params: dict, microbatch: dict, model_state: dict | None) -> tuple[jax.Array, list]:
+        """Embedding and every layer on one stage: the last layer's output and each chunk's stats."""
+        x = self.embed(params, microbatch)
+        stats = []
+        for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
+            x, st = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
+                                    c * self.layers_per_chunk, _chunk_bias(model_state, c))
+            stats.append(st)
+        return x, stats
+
+    def logits(self, params: dict, tokens: jax.Array, positions: jax.Array | None = None,
+               model_state: dict | None = None) -> jax.Array:
+        """Megatron's ``GPTModel.forward`` without labels, inside ``shard_map``: float32 logits
+        ``[b, s, vocab_size]`` of this rank's local ``[b, s]`` tokens (``positions`` ``[b, s]``,
+        default ``0..s-1``), the vocabulary gathered over tp and its padding rows dropped. Works
+        with tp, sequence parallelism and data parallelism (each dp rank its local batch);
+        raises ``ValueError`` with pipelining or context parallelism (one stage must hold every
+        layer and the whole sequence). :meth:`global_logits` wraps it for global arrays::
+
+            model = GPTModel(config, ps.build_parallel_state(devices=jax.devices()[:1]))
+            logits = model.global_logits(params, tokens)  # [b, s, config.vocab_size] float32
+        """
+        if self.pp > 1 or self.config.context_parallel_size > 1:
+            raise ValueError(f"GPTModel.logits runs every layer on the whole sequence on one rank: not supported "
+                             f"with pipeline_model_parallel_size {self.pp} or context_parallel_size "
+                             f"{self.config.context_parallel_size} (both must be 1)")
+        batch = {"tokens": tokens} if positions is None else {"tokens": tokens, "position_ids": positions}
+        x, _ = self._hidden_states(params, batch, model_state)
+        local = self._output_logits(params, x)  # [s, b, V/tp]
+        full = lax.all_gather(local, TP_AXIS, axis=2, tiled=True)[..., :self.config.vocab_size]
+        return jnp.swapaxes(full, 0, 1).astype(jnp.float32)
+
+    def global_logits(self, params: dict, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """:meth:`logits` from the host: global params (as :func:`~core.param_metadata.init_sharded_params`
+        returns them, or host arrays of the same shapes) and global ``[b, s]`` tokens, the batch
+        split over data parallelism (``b`` must divide by it); one compiled program per model."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._logits_program(params, tokens, positions)
+
+    @functools.cached_property
+    def _logits_program(self):
+        dp = self.state.data_parallel_axis_name
+        sample = jax.ShapeDtypeStruct((1, self.config.seq_length), jnp.int32)
+        boxed = jax.eval_shape(jax.shard_map(self.init, mesh=self.state.mesh, in_specs=(P(), P()), out_specs=P(),
+                                             check_vma=False), jax.random.key(0), sample)
+        specs = jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
+        return jax.jit(jax.shard_map(self.logits, mesh=self.state.mesh, in_specs=(specs, P(dp), P(dp)),
+                                     out_specs=P(dp), check_vma=False))
 
     def moe_metrics(self, stats: list[dict]) -> dict:
         """Logged MoE values of one microbatch from :meth:`run_layers`'s stats (in layer order):
