@@ -5,43 +5,19 @@ The one-device references run on rank 0 only and are sent to the others, which w
 eight copies of the same single-device run would share the cores and cost eight times the time."""
 
 import functools
-import time
 
 import jax
 import numpy as np
 import pytest
-from mpi4py import MPI
+from mpi_helpers import from_rank_0
 from pretrain_harness import LAYOUTS, LLAMA, layout_losses, reference_losses
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
 
-def _from_rank_0(compute):
-    """``compute()`` run on rank 0, its result on every rank. The others wait polling with
-    sleeps: in ``bcast`` they would busy-wait and take the shared cores from rank 0's run. An
-    error on rank 0 is raised on every rank."""
-    comm, tag = MPI.COMM_WORLD, 31
-    if comm.rank == 0:
-        try:
-            value = ("value", compute())
-        except Exception as e:
-            value = ("error", f"rank 0: {type(e).__name__}: {e}")
-            raise
-        finally:
-            for rank in range(1, comm.size):
-                comm.send(value, dest=rank, tag=tag)
-        return value[1]
-    while not comm.iprobe(source=0, tag=tag):
-        time.sleep(0.05)
-    kind, value = comm.recv(source=0, tag=tag)
-    if kind == "error":
-        raise RuntimeError(value)
-    return value
-
-
 @functools.cache
 def _reference(extra: tuple = ()) -> list[float]:
-    return _from_rank_0(lambda: reference_losses(extra=extra))
+    return from_rank_0(lambda: reference_losses(extra=extra))
 
 
 def test_loss_trajectory_matches_single_device():

@@ -6,6 +6,9 @@ size in memory; here a checkpoint is written with orbax's partial saves (each ca
 to the step being written, :func:`write_params_checkpoint`) and read back array by array
 (:func:`read_params_array`), so the host holds about one array at a time.
 
+They run in one process that is not part of a multi-process JAX job (orbax's writes would
+wait for the other processes): the converters run as a tool of their own.
+
 The step written is an ordinary checkpoint of :mod:`core.checkpointing.files`' format (state,
 metadata, integrity record, commit marker, renamed into place when complete): a training run
 loads it as it loads its own. A failure or a signal leaves only a temporary directory, which
@@ -76,7 +79,7 @@ def _quiet_absl() -> Iterator[None]:
 
 
 def _streaming_context() -> ocp_v1.Context:
-    """Orbax's options for writing host arrays that are not touched while written: no defensive
+    """Orbax's options for one process writing host arrays that are not touched while written: no defensive
     copy of each array (it would double the peak); one zarr array per parameter with
     tensorstore chunks of 64 MiB, each encoded and written on its own (an OCDBT write buffers
     the whole array once more: 2x its size at the peak); no compression (as the trainer's

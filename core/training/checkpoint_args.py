@@ -20,7 +20,7 @@ _INVERTED = {"add_bias_linear": "disable_bias_linear",
              "share_embeddings_and_output_weights": "untie_embeddings_and_output_weights"}
 """Fields whose flag is their negation."""
 
-_RENAMED = {"layernorm_epsilon": "norm_epsilon"}
+_RENAMED = {"layernorm_epsilon": "norm_epsilon", "rope_scaling": "use_rope_scaling"}
 """Fields whose flag has another name."""
 
 _MOE_DERIVED = ("swiglu", "add_bias_linear")
