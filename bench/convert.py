@@ -130,7 +130,7 @@ def bench_conversion(shapes: dict) -> list[str]:
     """The conversion table's rows."""
     rows = []
     for name, shape in shapes.items():
-        with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
+        with tempfile.TemporaryDirectory() as tmp:
             hf, ckpt, back = (os.path.join(tmp, d) for d in ("hf", "ckpt", "back"))
             params, largest_hf = write_random_hf_model(hf, shape)
             t_in, rss_in = run_tool(["--loader", "hf", "--saver", "core", "--load-dir", hf, "--save-dir", ckpt])

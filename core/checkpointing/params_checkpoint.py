@@ -81,15 +81,15 @@ def _quiet_absl() -> Iterator[None]:
 def _streaming_context() -> ocp_v1.Context:
     """Orbax's options for one process writing host arrays that are not touched while written: no defensive
     copy of each array (it would double the peak); one zarr array per parameter with
-    tensorstore chunks of 64 MiB, each encoded and written on its own (an OCDBT write buffers
+    tensorstore chunks of 32 MiB, at most 128 MiB of them in flight (an OCDBT write buffers
     the whole array once more: 2x its size at the peak); no compression (as the trainer's
     checkpoints). Orbax reads this format as it reads the trainer's."""
     context = ocp_v1.Context()
     context.memory.deepcopy_host_arrays = False
-    context.memory.write_concurrent_bytes = 256 * 2**20
+    context.memory.write_concurrent_bytes = 128 * 2**20
     context.array.saving.use_ocdbt = False
     context.array.saving.use_compression = False
-    context.array.saving.storage_options.chunk_byte_size = 64 * 2**20
+    context.array.saving.storage_options.chunk_byte_size = 32 * 2**20
     return context
 
 
@@ -158,8 +158,8 @@ def read_params_array(directory: str | os.PathLike, path: ParamPath, step: int |
     item = epath.Path(_step_dir(directory, step)) / STATE_ITEM
     target = {"params": _nested(path, np.zeros((), np.float32))}
     restore_args = {"params": _nested(path, ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype))}
-    # Reads bounded to 256 MiB in flight: the array itself is the only large allocation.
-    restored = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=0.25).restore(item, args=ocp.args.PyTreeRestore(
+    # Reads bounded to 128 MiB in flight: the array itself is the only large allocation.
+    restored = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=0.125).restore(item, args=ocp.args.PyTreeRestore(
         target, restore_args=restore_args, partial_restore=True))
     node = restored["params"]
     for key in path:

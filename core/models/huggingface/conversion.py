@@ -29,7 +29,7 @@ from core.atomic_files import remove_quietly, temporary_path
 from core.checkpointing.checkpointer import OPTIMIZER_FORMAT, model_record
 from core.checkpointing.params_checkpoint import (
     ParamPath,
-    read_params_arrays,
+    read_params_array,
     saved_param_shapes,
     write_params_checkpoint,
 )
@@ -48,6 +48,10 @@ CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")
 """Files copied with ``--tokenizer-dir`` (those present)."""
+
+LARGE_ARRAY_BYTES = 2**28
+"""An export ends the current shard before reading an array of at least this size (the peak is
+then about that array, not the array plus a shard's worth of earlier tensors)."""
 
 DTYPES = {"float32": np.float32, "bfloat16": jnp.bfloat16, "float16": np.float16}
 """Weight dtypes an export writes, by ``transformers``' names."""
@@ -152,9 +156,12 @@ def export_hf_model(load_dir: str, hf_dir: str, tokenizer_dir: str | None = None
     if missing:
         raise HFConversionError(f"checkpoint {load_dir} has no parameter {'/'.join(missing[0])}")
 
-    def tensors() -> Iterator[tuple[str, np.ndarray]]:
-        for path, array in read_params_arrays(load_dir, list(saved), step, DTYPES[dtype]):
-            yield from hf_tensors_from_param(config, path, array)
+    def tensors() -> Iterator[tuple[str, np.ndarray] | None]:
+        for path in saved:
+            shape, _ = saved[path]
+            if np.prod(shape) * np.dtype(DTYPES[dtype]).itemsize >= LARGE_ARRAY_BYTES:
+                yield None  # end the shard before reading it: its tensors and this array never overlap
+            yield from hf_tensors_from_param(config, path, read_params_array(load_dir, path, step, DTYPES[dtype]))
 
     write_safetensors(hf_dir, tensors(), max_shard_bytes)
     if tokenizer_dir:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from core.atomic_files import TMP_PREFIX, remove_quietly, temporary_path
+from core.checkpointing.params_checkpoint import release_free_memory
 from core.models.huggingface.config_mapping import HFConversionError
 
 SINGLE_FILE = "model.safetensors"
@@ -70,11 +71,13 @@ class SafetensorsReader:
         return str(self.get(name).dtype)
 
 
-def write_safetensors(directory: str, tensors: Iterable[tuple[str, np.ndarray]], max_shard_bytes: int) -> list[str]:
+def write_safetensors(directory: str, tensors: Iterable[tuple[str, np.ndarray] | None], max_shard_bytes: int
+                      ) -> list[str]:
     """Write ``tensors`` (consumed in order) as shards of at most ``max_shard_bytes`` (a larger
     single tensor gets a shard of its own) plus the index, or as ``model.safetensors`` alone when
-    one shard holds everything. Returns the file names. Nothing appears under the final names
-    until every shard is written."""
+    one shard holds everything; a ``None`` item ends the current shard (the caller's tensors
+    before it are then freed before it makes the next ones). Returns the file names. Nothing
+    appears under the final names until every shard is written."""
     os.makedirs(directory, exist_ok=True)
     written: list[tuple[str, list[str], int]] = []  # (tmp path, names, bytes)
     batch: dict[str, np.ndarray] = {}
@@ -87,9 +90,14 @@ def write_safetensors(directory: str, tensors: Iterable[tuple[str, np.ndarray]],
             save_file(batch, tmp, metadata={"format": "pt"})
             written.append((tmp, list(batch), size))
             batch, size = {}, 0
+            release_free_memory()
 
     try:
-        for name, array in tensors:
+        for item in tensors:
+            if item is None:
+                flush()
+                continue
+            name, array = item
             array = np.ascontiguousarray(array)
             if batch and size + array.nbytes > max_shard_bytes:
                 flush()
