@@ -159,7 +159,7 @@ class Checkpointer:
                 "virtual_pipeline_model_parallel_size": self.layout.virtual_pipeline_model_parallel_size,
                 "data_parallel_size": self.layout.data_parallel_size,
                 "context_parallel_size": self.layout.context_parallel_size,
-                "use_distributed_optimizer": bool(self.ddp.ddp_config.use_distributed_optimizer),
+                "use_distributed_optimizer": bool(self.ddp.ddp_config.shards_optimizer_state),
                 "num_devices": int(self.ddp.mesh.devices.size)}
 
     def checkpoint_state(self, state: TrainingState) -> tuple[dict[str, Any], dict[str, Any]]:

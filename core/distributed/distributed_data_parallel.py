@@ -179,7 +179,7 @@ class DistributedDataParallel:
             local_shapes, [x.dtype for x in leaves], infos,
             data_parallel_size=self.ddp_config.intra_instance_size(dp, self.state.replica_size(expert=True)),
             bucket_size=None if self.disable_bucketing else self.ddp_config.effective_bucket_size(dp),
-            use_distributed_optimizer=self.ddp_config.use_distributed_optimizer,
+            use_distributed_optimizer=self.ddp_config.shards_optimizer_state,
             grad_reduce_in_fp32=self.ddp_config.grad_reduce_in_fp32,
             pad_buckets_for_high_nccl_busbw=self.ddp_config.pad_buckets_for_high_nccl_busbw,
         )

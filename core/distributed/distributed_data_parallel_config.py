@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's ``data_parallel_sharding_strategy`` values: what is sharded over data parallelism."""
+IMPLEMENTED_STRATEGIES = ("no_shard", "optim", "optim_grads")
+"""The strategies this package implements (``optim_grads_params``, ZeRO-3, is not implemented yet)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class DistributedDataParallelConfig:
@@ -14,11 +19,14 @@ class DistributedDataParallelConfig:
     * ``num_buckets`` (an alternative to ``bucket_size``): not supported; give ``bucket_size``.
     * ``fp8_param_gather``, ``fp4_param_gather``, ``reuse_grad_buf_for_mxfp8_param_ag``,
       ``keep_fp8_transpose_cache``: not applicable, the package has no FP8/FP4 parameters.
-    * ``use_megatron_fsdp``, ``use_custom_fsdp``, ``data_parallel_sharding_strategy``,
-      ``outer_dp_sharding_strategy``, ``suggested_communication_unit_size``,
-      ``preserve_fp32_weights``, ``fsdp_double_buffer``: Megatron-FSDP options, not supported
-      (this DDP shards at most the optimizer, ZeRO-1; ``core.distributed.data_parallel`` has the
-      xlstm_jax FSDP utilities instead).
+    * ``data_parallel_sharding_strategy="optim_grads_params"`` (ZeRO-3, parameters sharded too):
+      not implemented yet, refused with a ``ValueError``; ``no_shard``, ``optim`` and
+      ``optim_grads`` are (``use_megatron_fsdp``, ``data_parallel_sharding_strategy``).
+    * ``use_custom_fsdp`` (Megatron's deprecated alias of ``use_megatron_fsdp``),
+      ``megatron_fsdp_version``, ``outer_dp_sharding_strategy`` (hybrid FSDP),
+      ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``fsdp_double_buffer``:
+      Megatron-FSDP's implementation options, not supported (``core.distributed.data_parallel``
+      has the xlstm_jax FSDP utilities for parameter sharding).
     * ``nccl_ub``, ``disable_symmetric_registration``: NCCL user-buffer registration; not
       applicable, XLA allocates and registers collective buffers itself.
     * ``gradient_reduce_div_fusion``: not applicable, XLA fuses the 1/dp pre-scaling into the
@@ -74,8 +82,50 @@ class DistributedDataParallelConfig:
     back to the grad dtype (Megatron's implementation). No effect without the distributed optimizer."""
     average_in_collective: bool = False
     """Average in the collective (pmean) instead of pre-scaling grads by 1/dp and summing."""
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP: shard over data parallelism what ``data_parallel_sharding_strategy`` says."""
+    data_parallel_sharding_strategy: str = "no_shard"
+    """With ``use_megatron_fsdp``: ``no_shard`` (plain DDP), ``optim`` (optimizer state and fp32
+    masters, ZeRO-1: the distributed optimizer), ``optim_grads`` (also the gradients, ZeRO-2: each
+    microbatch's grads are reduce-scattered into this rank's shard right after its backward, so only
+    shard-sized accumulators live across microbatches; under a pipeline schedule, which accumulates
+    grads itself, it behaves as ``optim``). ``optim_grads_params`` (ZeRO-3) is not implemented yet.
+    Megatron's config default; its CLI default is ``optim_grads_params``."""
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether optimizer state and fp32 masters are sharded over data parallelism (the distributed
+        optimizer: ``use_distributed_optimizer``, or Megatron-FSDP's ``optim`` / ``optim_grads``)."""
+        return self.use_distributed_optimizer or (
+            self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim", "optim_grads"))
+
+    @property
+    def reduce_scatter_per_microbatch(self) -> bool:
+        """Whether the fused step reduce-scatters each microbatch's grads right after its backward
+        (Megatron-FSDP ``optim_grads``) instead of the accumulated grads once per step."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads"
+
+    def _check_megatron_fsdp(self) -> None:
+        strategy = self.data_parallel_sharding_strategy
+        if strategy not in SHARDING_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, "
+                             f"got {strategy!r}")
+        if not self.use_megatron_fsdp:
+            if strategy != "no_shard":
+                raise ValueError(f"data_parallel_sharding_strategy={strategy!r} needs use_megatron_fsdp=True")
+            return
+        if strategy not in IMPLEMENTED_STRATEGIES:
+            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} (ZeRO-3) is not implemented yet; "
+                             "use 'optim_grads' (ZeRO-2), 'optim' or 'no_shard'")
+        if strategy == "no_shard" and self.use_distributed_optimizer:
+            raise ValueError("use_distributed_optimizer=True shards the optimizer state, which contradicts "
+                             "data_parallel_sharding_strategy='no_shard'; use 'optim' or 'optim_grads'")
+        if strategy == "optim_grads" and self.check_for_large_grads:
+            raise ValueError("check_for_large_grads checks the local grads accumulated over the step, which "
+                             "data_parallel_sharding_strategy='optim_grads' never holds; use 'optim'")
 
     def __post_init__(self) -> None:
+        self._check_megatron_fsdp()
         if not self.spiky_loss_factor > 1.0:
             raise ValueError(f"spiky_loss_factor must be > 1, got {self.spiky_loss_factor}")
         if self.bucket_size is not None and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
@@ -83,13 +133,13 @@ class DistributedDataParallelConfig:
         n = self.num_distributed_optimizer_instances
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_distributed_optimizer_instances must be a positive int, got {n!r}")
-        if n > 1 and not self.use_distributed_optimizer:
+        if n > 1 and not self.shards_optimizer_state:
             raise ValueError(f"num_distributed_optimizer_instances={n} (partial distributed optimizer) needs "
                              "use_distributed_optimizer=True")
         if n > 1 and self.reduce_scatter_with_fp32_accumulation:
             raise ValueError(f"reduce_scatter_with_fp32_accumulation is not supported with "
                              f"num_distributed_optimizer_instances={n} > 1 (as in Megatron)")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
+        if self.overlap_param_gather and not self.shards_optimizer_state:
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True (only the distributed "
                              "optimizer gathers params)")
 

@@ -104,13 +104,34 @@ def reduce_model_grads(
     rank's token count) the grads are divided by the global token count (see the module
     docstring).
     """
+    reduced = reduce_local_grads(grad_leaves, infos, specs, ddp_config, state, per_token_loss=num_tokens is not None)
+    return reduced if num_tokens is None else divide_by_global_tokens(reduced, num_tokens, state)
+
+
+def reduce_local_grads(
+    grad_leaves: Sequence[jax.Array],
+    infos: Sequence[ParamInfo],
+    specs: Sequence[BufferSpec],
+    ddp_config: DistributedDataParallelConfig,
+    state: ParallelState,
+    *,
+    per_token_loss: bool = False,
+) -> list[jax.Array] | tuple[tuple[jax.Array, ...], ...]:
+    """The model-parallel sums, then the data-parallel collective of every bucket, of one set of
+    local grads: a step's accumulated grads, or with Megatron-FSDP ``optim_grads`` one
+    microbatch's (every reduction is a sum, so reducing each microbatch and adding the results
+    equals reducing their sum). ``per_token_loss``: no ``1/dp`` factor (the division by the
+    global token count follows, :func:`divide_by_global_tokens`)."""
     leaves = allreduce_model_parallel_grads(grad_leaves, infos, state)
-    reduced = reduce_gradients(leaves, specs, ddp_config, state, per_token_loss=num_tokens is not None)
-    if num_tokens is not None:
-        total = lax.psum(jnp.asarray(num_tokens, jnp.float32), state.data_parallel_with_context_axis_name)
-        scale = 1.0 / jnp.maximum(total, 1.0)
-        reduced = jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
-    return reduced
+    return reduce_gradients(leaves, specs, ddp_config, state, per_token_loss=per_token_loss)
+
+
+def divide_by_global_tokens(reduced: Any, num_tokens: jax.Array, state: ParallelState) -> Any:
+    """Reduced grads divided by the global token count (``num_tokens``: this rank's count, summed
+    over data (+context) parallelism here): the per-token loss normalisation."""
+    total = lax.psum(jnp.asarray(num_tokens, jnp.float32), state.data_parallel_with_context_axis_name)
+    scale = 1.0 / jnp.maximum(total, 1.0)
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), reduced)
 
 
 def nonfinite_flags(grad_leaves: Sequence[jax.Array]) -> jax.Array:

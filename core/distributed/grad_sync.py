@@ -137,7 +137,7 @@ def reduce_gradient_buckets(
             g = _prescale(bucket, scale)
             if group == 1:
                 reduced.append(g)
-            elif ddp_config.use_distributed_optimizer:
+            elif ddp_config.shards_optimizer_state:
                 intra, inter = distributed_optimizer_groups(spec, ddp_config, state)
                 if ddp_config.reduce_scatter_with_fp32_accumulation:
                     shard = reduce_scatter_with_fp32_accumulation(g, axes, axis_index_groups=intra)
@@ -179,7 +179,7 @@ def reduce_gradients(
     :func:`reduce_gradient_buckets`); without it the reduced gradient of every leaf, in the
     buffer's grad dtype.
     """
-    if ddp_config.use_distributed_optimizer:
+    if ddp_config.shards_optimizer_state:
         buffers = [flatten_to_buckets(grad_leaves, spec) for spec in specs]
         return reduce_gradient_buckets(buffers, specs, ddp_config, state, per_token_loss=per_token_loss)
     out = list(grad_leaves)

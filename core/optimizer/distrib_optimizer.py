@@ -152,7 +152,7 @@ class DistributedOptimizer:
     @property
     def sharded(self) -> bool:
         """Whether optimizer state is sharded over data parallelism."""
-        return self.ddp_config.use_distributed_optimizer
+        return self.ddp_config.shards_optimizer_state
 
     def _tx(self, decay_mask: Any = None) -> optax.GradientTransformation:
         if isinstance(self.optimizer, OptimizerConfig):

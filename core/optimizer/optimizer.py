@@ -247,7 +247,8 @@ def get_megatron_optimizer(config: OptimizerConfig | optax.GradientTransformatio
                            learning_rate: float | optax.Schedule | None = None) -> MegatronOptimizer:
     """Megatron's ``get_megatron_optimizer(config, model_chunks)``: the optimizer of a model
     wrapped in :class:`~core.distributed.DistributedDataParallel`, distributed (ZeRO-1 over
-    the data-parallel group) when its ``ddp_config.use_distributed_optimizer`` says so.
+    the data-parallel group) when its ``ddp_config.shards_optimizer_state`` says so
+    (``use_distributed_optimizer``, or Megatron-FSDP's ``optim`` / ``optim_grads``).
 
     ``model_chunks``: the model, or a list holding it. In this package one
     ``DistributedDataParallel`` holds every model chunk of a rank (virtual pipeline stages are

@@ -115,6 +115,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise model_error(e) from None
+    _validate_megatron_fsdp(args)
     _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
@@ -136,13 +137,42 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep)
 
 
+def sharding_strategy(args: argparse.Namespace) -> str:
+    """The DDP's ``data_parallel_sharding_strategy``: the flag's with ``--use-megatron-fsdp``, else
+    ``no_shard`` (Megatron reads the strategy only with Megatron-FSDP)."""
+    return args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard"
+
+
+def shards_optimizer_state(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for the distributed optimizer (directly or by a Megatron-FSDP strategy)."""
+    return args.use_distributed_optimizer or sharding_strategy(args) in ("optim", "optim_grads")
+
+
+def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
+    """``--data-parallel-sharding-strategy``: one of Megatron's four, implemented, and not contradicting
+    ``--use-distributed-optimizer``."""
+    from core.distributed.distributed_data_parallel_config import IMPLEMENTED_STRATEGIES, SHARDING_STRATEGIES
+
+    flag, strategy = "--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy
+    if strategy not in SHARDING_STRATEGIES:
+        raise ArgumentError(f"{flag} must be one of {', '.join(SHARDING_STRATEGIES)}, got {strategy!r}")
+    if not args.use_megatron_fsdp:
+        return
+    if strategy not in IMPLEMENTED_STRATEGIES:
+        raise ArgumentError(f"{flag} {strategy} (ZeRO-3, Megatron's default with --use-megatron-fsdp) is not "
+                            "implemented yet; pass optim_grads, optim or no_shard")
+    if strategy == "no_shard" and args.use_distributed_optimizer:
+        raise ArgumentError(f"{flag} no_shard contradicts --use-distributed-optimizer (which shards the optimizer "
+                            "state); pass optim or optim_grads")
+
+
 def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, expert_data_parallel: int) -> None:
     """``--num-distributed-optimizer-instances``: >= 1, more than one only with the distributed
     optimizer, dividing the data-parallel x context-parallel size and the experts' share of it."""
     n, flag = args.num_distributed_optimizer_instances, "--num-distributed-optimizer-instances"
     if n < 1:
         raise ArgumentError(f"{flag} must be >= 1, got {n}")
-    if n > 1 and not args.use_distributed_optimizer:
+    if n > 1 and not shards_optimizer_state(args):
         raise ArgumentError(f"{flag} {n} needs --use-distributed-optimizer")
     for what, size in (("data-parallel x context-parallel size", data_parallel),
                        ("expert data-parallel x context-parallel size", expert_data_parallel)):

@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="partial distributed optimizer: the dp x cp ranks form this many instances of "
                         "contiguous ranks, each holding a whole copy of the sharded optimizer state")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="start bucket reductions during the backward")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron-FSDP: shard over dp what --data-parallel-sharding-strategy says")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   help="with --use-megatron-fsdp: no_shard (plain DDP), optim (ZeRO-1, the distributed optimizer), "
+                        "optim_grads (ZeRO-2: grads reduce-scattered per microbatch) or optim_grads_params "
+                        "(ZeRO-3, Megatron's default; not implemented yet)")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)

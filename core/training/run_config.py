@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from core.training.arguments import lr_decay_iters, lr_warmup_iters, min_lr, model_config
+from core.training.arguments import lr_decay_iters, lr_warmup_iters, min_lr, model_config, sharding_strategy
 
 if TYPE_CHECKING:
     from core.checkpointing.checkpointer import CheckpointConfig
@@ -47,7 +47,8 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
         use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, grad_reduce_in_fp32=True,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, check_for_spiky_loss=args.check_for_spiky_loss,
-        spiky_loss_factor=args.spiky_loss_factor)
+        spiky_loss_factor=args.spiky_loss_factor, use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=sharding_strategy(args))
     return PretrainConfig(
         model=model, training=training, ddp=ddp, data=data, checkpoint=checkpoint_config(args),
         logging=LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,

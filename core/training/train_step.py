@@ -22,7 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 from core.distributed.array_utils import fold_rng_over_axis
 from core.distributed.distributed_data_parallel import DistributedDataParallel
-from core.distributed.finalize_model_grads import finalize_model_grads, nonfinite_flags
+from core.distributed.finalize_model_grads import (
+    divide_by_global_tokens,
+    finalize_model_grads,
+    nonfinite_flags,
+    reduce_local_grads,
+)
 from core.distributed.loss_normalization import loss_terms, sequence_mean
 from core.distributed.spiky_loss import check_spiky_loss
 from core.optimizer.optimizer import MegatronOptimizer
@@ -185,9 +190,14 @@ def _microbatch_objective(loss_fn: LossFn, m: int, per_token: bool, sequence_axi
 
 def _microbatch_grads(model: DistributedDataParallel, loss_fn: LossFn, params: Any, batch: Any,
                       num_microbatches: int, per_token: bool, sequence_axis: str | None, rng: jax.Array | None,
-                      model_state_kwargs: dict) -> tuple[Any, jax.Array, jax.Array, dict]:
+                      model_state_kwargs: dict, reduce: Callable[[list], Any] | None = None
+                      ) -> tuple[Any, jax.Array, jax.Array, dict]:
     """Accumulated local grads, loss value (the microbatches' mean, or their summed loss per
-    token), token count and report (averaged over the microbatches)."""
+    token), token count and report (averaged over the microbatches).
+
+    With ``reduce`` (Megatron-FSDP ``optim_grads``) each microbatch's grad leaves go through it
+    right after the backward and the accumulated values are what it returns, in fp32 (this rank's
+    bucket shards), so no full-size accumulator lives across microbatches."""
     grad_dtype = jnp.float32 if model.ddp_config.grad_reduce_in_fp32 else None
     m = num_microbatches
     mbs = (split_microbatches(batch, m), jnp.arange(m))
@@ -201,6 +211,8 @@ def _microbatch_grads(model: DistributedDataParallel, loss_fn: LossFn, params: A
             (_, (loss, tokens, report)), g = jax.value_and_grad(
                 lambda p: objective(p, *args, **model_state_kwargs), has_aux=True)(params)
         g = jax.tree.map(lambda x: x.astype(grad_dtype or x.dtype), g)
+        if reduce is not None:
+            g = jax.tree.map(lambda x: x.astype(jnp.float32), reduce(jax.tree.leaves(g)))
         return g, jnp.asarray(loss, jnp.float32), jnp.asarray(tokens, jnp.float32), report
 
     def add(carry, mb):
@@ -228,10 +240,21 @@ def _step_body(model: DistributedDataParallel, optimizer: MegatronOptimizer, los
     dp_axes = state.data_parallel_with_context_axis_name
     grad_dtype = jnp.float32 if ddp_config.grad_reduce_in_fp32 else None
 
+    # Megatron-FSDP optim_grads: reduce-scatter every microbatch's grads right after its backward
+    # (a pipeline schedule accumulates grads itself: there the reduction stays once per step).
+    per_microbatch = ddp_config.reduce_scatter_per_microbatch and forward_backward is None
+
+    def reduce_microbatch(grad_leaves):
+        shards = reduce_local_grads(grad_leaves, layout.infos, layout.buffer_specs, ddp_config, state,
+                                    per_token_loss=per_token)
+        # The per-param NaN/Inf flags need the local grads, which only exist inside the microbatch.
+        flags = nonfinite_flags(grad_leaves) if ddp_config.check_for_nan_in_grad else jnp.zeros(len(grad_leaves), bool)
+        return shards, flags
+
     def local_grads(params, batch, rng, model_state_kwargs):
         if forward_backward is None:
             return _microbatch_grads(model, loss_fn, params, batch, num_microbatches, per_token, sequence_axis,
-                                     rng, model_state_kwargs)
+                                     rng, model_state_kwargs, reduce_microbatch if per_microbatch else None)
         grads, loss, tokens, report = forward_backward(params, batch, *(() if rng is None else (rng,)),
                                                        **model_state_kwargs)
         grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
@@ -253,9 +276,14 @@ def _step_body(model: DistributedDataParallel, optimizer: MegatronOptimizer, los
 
     def update(params, opt_state, grads, loss, tokens):
         leaves = jax.tree.leaves(params)
-        grad_leaves = jax.tree.leaves(grads)
-        reduced = finalize_model_grads(grad_leaves, layout.infos, layout.buffer_specs, ddp_config, state,
-                                       num_tokens=tokens if per_token else None)
+        if per_microbatch:  # already reduced: this rank's shards and the OR of the microbatches' flags
+            reduced, local_flags = grads
+            reduced = divide_by_global_tokens(reduced, tokens, state) if per_token else reduced
+            grad_leaves = None
+        else:
+            grad_leaves = jax.tree.leaves(grads)
+            reduced = finalize_model_grads(grad_leaves, layout.infos, layout.buffer_specs, ddp_config, state,
+                                           num_tokens=tokens if per_token else None)
         # A NaN/Inf in any rank's grads makes the global grad norm non-finite on every rank:
         # the skip needs no collective of its own, and the per-param flags that name the
         # culprits are computed only when it happens.
@@ -275,7 +303,10 @@ def _step_body(model: DistributedDataParallel, optimizer: MegatronOptimizer, los
             extra.update(spiky_loss=spiky, recent_max_loss=recent_max)
         new_leaves, new_opt, grad_norm, skipped = opt.step(
             opt_state, reduced, leaves, skip_nonfinite=ddp_config.check_for_nan_in_grad, skip=skip)
-        flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
+        if per_microbatch:
+            flags = local_flags.astype(bool)
+        else:
+            flags = lax.cond(skipped, nonfinite_flags, lambda g: jnp.zeros(len(g), bool), grad_leaves)
         new_params = jax.tree.unflatten(layout.treedef, [new_leaves[i] for i in range(len(leaves))])
         metrics = {"loss": mean_loss, "grad_norm": grad_norm, "nonfinite": flags[None], "skipped": skipped, **extra}
         return new_params, new_opt, metrics
