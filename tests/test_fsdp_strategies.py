@@ -1,7 +1,8 @@
 """Megatron-FSDP's sharding strategies (``--use-megatron-fsdp --data-parallel-sharding-strategy``):
 ``no_shard``, ``optim`` and ``optim_grads`` train the GPT as one device does (loss, grad norm and
 params after 3 steps, fp32: rtol 1e-5 on loss and grad norm, params within rtol 1e-4 / atol 1e-5),
-``optim`` is exactly the distributed optimizer, ``optim_grads`` keeps no full-size gradient
+``optim_grads`` equals ``optim`` (grad norm rtol 1e-6, params rtol 1e-5 / atol 1e-6), ``optim`` is exactly
+the distributed optimizer, ``optim_grads`` keeps no full-size gradient
 accumulator across microbatches, and bad values are refused in one line."""
 
 import flax.linen as nn
@@ -79,7 +80,7 @@ def test_optim_grads_equals_optim(layout, runs):
         strategy_run(runs, layout, "optim")
     np.testing.assert_allclose([r["grad_norm"] for r in records], [r["grad_norm"] for r in optim_records],
                                rtol=1e-6)
-    assert_params_close(params, optim_params, rtol=1e-6, atol=1e-7)
+    assert_params_close(params, optim_params, rtol=1e-5, atol=1e-6)
 
 
 def test_optim_is_the_distributed_optimizer(layout, runs):
