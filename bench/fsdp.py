@@ -52,7 +52,7 @@ def _variant(strategy: str, bucket_size: int | None):
 
     args = parse_args(["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
                        "--seq-length", "64"])
-    state = ps.initialize_model_parallel(1, 1)
+    state = ps.build_parallel_state()  # dp 8
     model = GPTModel(model_config(args), state)
     config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
                                            grad_reduce_in_fp32=True, bucket_size=bucket_size)

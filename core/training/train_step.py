@@ -74,6 +74,12 @@ def make_train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer
     normalised objective, this rank's mean loss (the summed loss with ``calculate_per_token_loss``),
     its token count and its report averaged over its microbatches.
 
+    Megatron-FSDP ``optim_grads`` (``model.ddp_config.reduce_scatter_per_microbatch``): each
+    microbatch's grads are reduced (tp/pp sums, then the per-bucket reduce-scatter over data
+    parallelism) right after its backward and the scan accumulates only this rank's fp32 bucket
+    shards; no reduction is left for the end of the step. With ``forward_backward`` (which
+    accumulates grads itself) the reduction stays once per step, as with ``optim``.
+
     ``with_rng``: the step is ``step(params, opt_state, batch, rng)`` and the loss function
     gets a key, ``loss_fn(params, microbatch, rng)`` (``forward_backward(params, batch,
     rng)``): ``rng`` folded over the data-parallel (x context-parallel) axes and then with
