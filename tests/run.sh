@@ -50,7 +50,8 @@ if [ "${1:-}" = quick ]; then
         test_context_parallel_attention test_moe                                             # cp, moe
         test_transformer_blocks test_fused_layer_norm test_fused_attention                   # model, fusions
         test_indexed_dataset test_gpt_dataset test_blended_dataset test_text_dataset          # data
-        test_preprocess_data
+        test_preprocess_data test_sft
+        test_huggingface_configs test_huggingface                                           # HF models
         test_checkpointing test_model_arguments                                              # checkpoints, flags
     )
     QUICK_DESELECT=(
