@@ -146,6 +146,15 @@ def unbox(boxed: Any) -> Any:
     return jax.tree.map(lambda x: x.value if _is_box(x) else x, boxed, is_leaf=_is_box)
 
 
+def abstract_boxed_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
+                          in_specs: Sequence[PartitionSpec]) -> Any:
+    """The boxed local parameters ``init_fn(*args)`` would create inside ``shard_map``, as
+    ``jax.ShapeDtypeStruct`` leaves with their metadata (nothing allocated): what
+    :func:`param_info_tree` reads the partition specs from."""
+    fn = jax.shard_map(init_fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=PartitionSpec(), check_vma=False)
+    return jax.eval_shape(fn, *args)
+
+
 def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
                         in_specs: Sequence[PartitionSpec]) -> tuple[Any, Any, Any]:
     """Initialise parameters inside ``shard_map`` as global arrays sharded as their metadata says.
@@ -154,9 +163,8 @@ def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, ar
     shapes. A first abstract pass reads the metadata; the real pass returns global arrays with
     those partition specs. Returns ``(params, partition_spec_tree, param_info_tree)``.
     """
-    shard = lambda fn, out: jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out, check_vma=False)
-    boxed = jax.eval_shape(shard(init_fn, PartitionSpec()), *args)
-    infos = param_info_tree(boxed)
+    infos = param_info_tree(abstract_boxed_params(init_fn, mesh, args, in_specs))
     specs = jax.tree.map(lambda i: i.partition_spec, infos)
-    params = jax.jit(shard(lambda *a: unbox(init_fn(*a)), specs))(*args)
+    params = jax.jit(jax.shard_map(lambda *a: unbox(init_fn(*a)), mesh=mesh, in_specs=tuple(in_specs),
+                                   out_specs=specs, check_vma=False))(*args)
     return params, specs, infos

@@ -46,7 +46,7 @@ from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_model_loss_terms
 from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS, ParallelState
-from core.param_metadata import param_info_tree, unbox
+from core.param_metadata import abstract_boxed_params, param_info_tree, unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
 from core.transformer.layer_context import LayerContext
@@ -306,8 +306,7 @@ class GPTModel:
     def _logits_program(self):
         dp = self.state.data_parallel_axis_name
         sample = jax.ShapeDtypeStruct((1, self.config.seq_length), jnp.int32)
-        boxed = jax.eval_shape(jax.shard_map(self.init, mesh=self.state.mesh, in_specs=(P(), P()), out_specs=P(),
-                                             check_vma=False), jax.random.key(0), sample)
+        boxed = abstract_boxed_params(self.init, self.state.mesh, (jax.random.key(0), sample), (P(), P()))
         specs = jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
         return jax.jit(jax.shard_map(self.logits, mesh=self.state.mesh, in_specs=(specs, P(dp), P(dp)),
                                      out_specs=P(dp), check_vma=False))

@@ -9,7 +9,6 @@ approximation.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from core.models.gpt.gpt_config import GPTConfig
@@ -111,9 +110,9 @@ def gpt_config_from_hf(hf: dict) -> GPTConfig:
 
 def _family(config: GPTConfig) -> str:
     """The ``model_type`` that holds ``config``'s options."""
-    if getattr(config, "qk_layernorm", False):
+    if config.qk_layernorm:
         return "qwen3"
-    if getattr(config, "add_qkv_bias", False):
+    if config.add_qkv_bias:
         return "qwen2"
     return "llama"
 
@@ -127,7 +126,7 @@ def _check_exportable(config: GPTConfig) -> None:
         (not config.swiglu, "swiglu", "the families' MLP is SwiGLU"),
         (config.add_bias_linear, "add_bias_linear", "the families have no linear biases (Qwen2's q/k/v only)"),
         (config.rotary_percent != 1.0, "rotary_percent", "the families rotate every channel"),
-        (getattr(config, "add_qkv_bias", False) and getattr(config, "qk_layernorm", False),
+        (config.add_qkv_bias and config.qk_layernorm,
          "add_qkv_bias", "with qk_layernorm: no family has both"),
     ]
     for bad, field, why in problems:
@@ -159,7 +158,7 @@ def hf_config_from_gpt(config: GPTConfig, base: dict | None = None, dtype: str =
     out.setdefault("max_position_embeddings", config.seq_length)
     if model_type != "qwen2":
         out.setdefault("attention_bias", False)
-    if getattr(config, "rope_scaling", False):
+    if config.rope_scaling:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": config.rope_scaling_factor,
                                "low_freq_factor": config.rope_scaling_low_freq_factor,
                                "high_freq_factor": config.rope_scaling_high_freq_factor,
@@ -170,13 +169,4 @@ def hf_config_from_gpt(config: GPTConfig, base: dict | None = None, dtype: str =
     return out
 
 
-def config_summary(config: GPTConfig) -> dict:
-    """The config as a JSON-able dict (what a converted checkpoint records)."""
-    record = dataclasses.asdict(config)
-    if isinstance(record.get("moe_layer_freq"), tuple):
-        record["moe_layer_freq"] = list(record["moe_layer_freq"])
-    return record
-
-
-__all__ = ["FAMILIES", "VOCAB_PADDING", "HFConversionError", "config_summary", "gpt_config_from_hf",
-           "hf_config_from_gpt"]
+__all__ = ["FAMILIES", "VOCAB_PADDING", "HFConversionError", "gpt_config_from_hf", "hf_config_from_gpt"]

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from core import checkpointing
-from core.atomic_files import remove_quietly, temporary_path
+from core.atomic_files import write_atomically
 from core.checkpointing.checkpointer import OPTIMIZER_FORMAT, model_record
 from core.checkpointing.params_checkpoint import (
     ParamPath,
@@ -42,7 +42,7 @@ from core.models.huggingface.config_mapping import (
 )
 from core.models.huggingface.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsReader, write_safetensors
 from core.models.huggingface.weight_mapping import IGNORED_SUFFIXES, hf_names_of, hf_tensors_from_param, param_from_hf
-from core.param_metadata import unbox
+from core.param_metadata import abstract_boxed_params, unbox
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -81,9 +81,8 @@ def param_shapes(config: GPTConfig) -> dict[ParamPath, tuple[int, ...]]:
 
     state = ps.build_parallel_state(1, 1, None, devices=jax.devices()[:1])
     model = GPTModel(config, state)
-    init = jax.shard_map(lambda k, t: unbox(model.init(k, t)), mesh=state.mesh, in_specs=(P(), P()), out_specs=P(),
-                         check_vma=False)
-    tree = jax.eval_shape(init, jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    tree = unbox(abstract_boxed_params(model.init, state.mesh,
+                                       (jax.random.key(0), jax.ShapeDtypeStruct((1, 8), jnp.int32)), (P(), P())))
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
 
@@ -171,31 +170,19 @@ def export_hf_model(load_dir: str, hf_dir: str, tokenizer_dir: str | None = None
 
 
 def copy_tokenizer_files(source: str, destination: str) -> list[str]:
-    """Copy the tokenizer files of :data:`TOKENIZER_FILES` that ``source`` holds (each to a
-    temporary name, then renamed); returns their names. At least one must exist."""
+    """Copy the tokenizer files of :data:`TOKENIZER_FILES` that ``source`` holds (each written
+    atomically); returns their names. At least one must exist."""
     names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
     if not names:
         raise HFConversionError(f"--tokenizer-dir {source} holds none of {', '.join(TOKENIZER_FILES)}")
     for name in names:
-        tmp = temporary_path(os.path.join(destination, name))
-        try:
-            shutil.copyfile(os.path.join(source, name), tmp)
-            os.replace(tmp, os.path.join(destination, name))
-        except BaseException:
-            remove_quietly(tmp)
-            raise
+        with open(os.path.join(source, name), "rb") as src:
+            write_atomically(os.path.join(destination, name), lambda dst, src=src: shutil.copyfileobj(src, dst))
     return names
 
 
 def _write_json(path: str, value: dict) -> None:
-    tmp = temporary_path(path)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(value, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
+    write_atomically(path, lambda f: json.dump(value, f, indent=2, sort_keys=True), mode="w")
 
 
 __all__ = ["CONFIG_FILE", "DTYPES", "TOKENIZER_FILES", "checkpoint_model_config", "copy_tokenizer_files",

@@ -17,12 +17,14 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from core.atomic_files import TMP_PREFIX, remove_quietly, temporary_path
+from core.atomic_files import TMP_PREFIX, remove_quietly, replace_together, temporary_path
 from core.checkpointing.params_checkpoint import release_free_memory
 from core.models.huggingface.config_mapping import HFConversionError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_NAMES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+"""safetensors' dtype codes by ``transformers``' names."""
 
 
 class SafetensorsReader:
@@ -66,9 +68,12 @@ class SafetensorsReader:
             raise HFConversionError(f"{path} is not a readable safetensors file ({e})") from None
 
     def dtype(self) -> str:
-        """The dtype of the first floating tensor, as ``transformers`` names it (``"bfloat16"``...)."""
+        """The dtype of the first tensor, as ``transformers`` names it (``"bfloat16"``...), read
+        from its file's header (no tensor is read)."""
         name = next(iter(self.weight_map))
-        return str(self.get(name).dtype)
+        with safe_open(os.path.join(self.directory, self.weight_map[name]), "numpy") as f:
+            code = f.get_slice(name).get_dtype()
+        return _DTYPE_NAMES.get(code, code.lower())
 
 
 def write_safetensors(directory: str, tensors: Iterable[tuple[str, np.ndarray] | None], max_shard_bytes: int
@@ -113,18 +118,22 @@ def write_safetensors(directory: str, tensors: Iterable[tuple[str, np.ndarray] |
 
 def _rename_shards(directory: str, written: list[tuple[str, list[str], int]]) -> list[str]:
     if len(written) == 1:
-        os.replace(written[0][0], os.path.join(directory, SINGLE_FILE))
+        replace_together([(written[0][0], os.path.join(directory, SINGLE_FILE))])
         return [SINGLE_FILE]
     n = len(written)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     index = {"metadata": {"total_size": sum(s for _, _, s in written)},
              "weight_map": {t: names[i] for i, (_, tensors, _) in enumerate(written) for t in tensors}}
     index_tmp = temporary_path(os.path.join(directory, INDEX_FILE))
-    with open(index_tmp, "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-    for (tmp, _, _), name in zip(written, names):
-        os.replace(tmp, os.path.join(directory, name))
-    os.replace(index_tmp, os.path.join(directory, INDEX_FILE))
+    try:
+        with open(index_tmp, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        # The shards first, the index last: a reader that finds the index finds every shard.
+        replace_together([(tmp, os.path.join(directory, name)) for (tmp, _, _), name in zip(written, names)]
+                         + [(index_tmp, os.path.join(directory, INDEX_FILE))])
+    except BaseException:
+        remove_quietly(index_tmp)
+        raise
     return names + [INDEX_FILE]
 
 
