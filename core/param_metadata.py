@@ -86,6 +86,16 @@ class ParamInfo:
     """Expert parameter (reduced over expert-data-parallel ranks)."""
     tp_partial_grad: bool = False
     """Replicated over tp, each rank's grad covers only its heads (q/k norms): all-reduced over tp."""
+    fsdp_dim: int = -1
+    """Dimension also split over ``fsdp_axes`` at rest (Megatron-FSDP ``optim_grads_params``): the
+    model all-gathers it before use and the gather's transpose reduce-scatters its grad; -1: none."""
+    fsdp_axes: tuple[str, ...] = ()
+    """The data-parallel mesh axes ``fsdp_dim`` is split over (major first; empty when not split)."""
+
+    @property
+    def fsdp_sharded(self) -> bool:
+        """Whether the parameter is sharded over data parallelism at rest (``fsdp_dim``)."""
+        return self.fsdp_dim >= 0
 
     @property
     def grad_summed_over_tp(self) -> bool:
@@ -156,15 +166,34 @@ def abstract_boxed_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, 
 
 
 def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
-                        in_specs: Sequence[PartitionSpec]) -> tuple[Any, Any, Any]:
+                        in_specs: Sequence[PartitionSpec],
+                        refine: Callable[[ParamInfo, tuple[int, ...]], ParamInfo] | None = None
+                        ) -> tuple[Any, Any, Any]:
     """Initialise parameters inside ``shard_map`` as global arrays sharded as their metadata says.
 
     ``init_fn(*args)`` (e.g. ``module.init``) runs on local shards and creates local parameter
     shapes. A first abstract pass reads the metadata; the real pass returns global arrays with
-    those partition specs. Returns ``(params, partition_spec_tree, param_info_tree)``.
+    those partition specs. ``refine(info, local_shape)`` may add an FSDP split to a parameter's
+    info (:attr:`ParamInfo.fsdp_dim`): each rank then keeps only its block of the value it
+    created, inside the same program, so no device ever returns more than its shard. Returns
+    ``(params, partition_spec_tree, param_info_tree)``.
     """
-    infos = param_info_tree(abstract_boxed_params(init_fn, mesh, args, in_specs))
+    boxed = abstract_boxed_params(init_fn, mesh, args, in_specs)
+    infos = param_info_tree(boxed)
+    if refine is not None:
+        infos = jax.tree.map(lambda i, x: refine(i, tuple(getattr(x, "value", x).shape)), infos, boxed, is_leaf=_is_box)
     specs = jax.tree.map(lambda i: i.partition_spec, infos)
-    params = jax.jit(jax.shard_map(lambda *a: unbox(init_fn(*a)), mesh=mesh, in_specs=tuple(in_specs),
-                                   out_specs=specs, check_vma=False))(*args)
+
+    def init(*a):
+        return jax.tree.map(_keep_fsdp_block, unbox(init_fn(*a)), infos)
+
+    params = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))(*args)
     return params, specs, infos
+
+
+def _keep_fsdp_block(x: jax.Array, info: ParamInfo) -> jax.Array:
+    """This rank's block of a whole (model-parallel-local) parameter along its FSDP dimension."""
+    if not info.fsdp_sharded:
+        return x
+    size = x.shape[info.fsdp_dim] // jax.lax.axis_size(info.fsdp_axes)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(info.fsdp_axes) * size, size, info.fsdp_dim)

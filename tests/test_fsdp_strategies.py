@@ -145,18 +145,22 @@ def test_optim_grads_keeps_no_full_size_grad_accumulator():
 def test_config_properties_and_defaults():
     assert DistributedDataParallelConfig().data_parallel_sharding_strategy == "no_shard"  # Megatron's default
     cases = {("no_shard", False): (False, False), ("optim", False): (True, False), ("optim_grads", False): (True, True),
-             ("optim", True): (True, False), ("optim_grads", True): (True, True)}
+             ("optim", True): (True, False), ("optim_grads", True): (True, True),
+             ("optim_grads_params", False): (False, False), ("optim_grads_params", True): (False, False)}
     for (strategy, distopt), expected in cases.items():
         config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
                                                use_distributed_optimizer=distopt)
         assert (config.shards_optimizer_state, config.reduce_scatter_per_microbatch) == expected
+        assert config.shards_params == (strategy == "optim_grads_params")
     assert DistributedDataParallelConfig(use_distributed_optimizer=True).shards_optimizer_state
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "zero2"}, "must be one of no_shard, optim"),
-    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params"},
-     "'optim_grads_params' (ZeRO-3) is not implemented yet"),
+    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
+      "use_distributed_optimizer": True, "num_distributed_optimizer_instances": 2}, "(HSDP) is not implemented"),
+    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
+      "check_for_large_grads": True}, "never holds"),
     ({"data_parallel_sharding_strategy": "optim_grads"}, "needs use_megatron_fsdp=True"),
     ({"use_megatron_fsdp": True, "use_distributed_optimizer": True}, "contradicts data_parallel_sharding_strategy"),
     ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads", "check_for_large_grads": True},
@@ -187,7 +191,10 @@ def test_flags_map_onto_the_ddp_config():
 @pytest.mark.parametrize("flags, message", [
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero2"],
      "--data-parallel-sharding-strategy must be one of"),
-    (["--use-megatron-fsdp"], "--data-parallel-sharding-strategy optim_grads_params (ZeRO-3"),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     "num-distributed-optimizer-instances=2 (HSDP) is not implemented with data-parallel-sharding-strategy="),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--no-fsdp-reshard-after-forward"],
+     "--no-fsdp-reshard-after-forward needs --use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"],
      "no_shard contradicts --use-distributed-optimizer"),
 ])

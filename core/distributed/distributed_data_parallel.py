@@ -40,6 +40,8 @@ from core import parallel_state
 from core.distributed.array_utils import stack_device_local, unstack_device_local
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from core.distributed.finalize_model_grads import finalize_model_grads
+from core.distributed.fsdp.param_sharding import shard_over_data_parallel
+from core.distributed.fsdp.unit_gather import ParamGather
 from core.distributed.param_and_grad_buffer import (
     BufferSpec,
     build_buffer_specs,
@@ -169,8 +171,19 @@ class DistributedDataParallel:
         Reads the parameters' parallel metadata and builds the gradient buffers.
         """
         in_specs = (P(),) * (1 + len(sample_inputs))
+        refine = None
+        if self.ddp_config.shards_params:  # ZeRO-3: each rank keeps its block of every parameter it creates
+            if not hasattr(self.module, "param_gather"):
+                raise TypeError(f"data_parallel_sharding_strategy='optim_grads_params' needs a module that gathers "
+                                f"its parameters unit by unit (a 'param_gather' attribute, as GPTModel has); "
+                                f"{type(self.module).__name__} has none")
+            refine = lambda info, shape: shard_over_data_parallel(info, shape, self.state)
         params, specs_tree, info_tree = init_sharded_params(self.module.init, self.mesh, (rng, *sample_inputs),
-                                                            in_specs)
+                                                            in_specs, refine)
+        if refine is not None:
+            self.module.param_gather = ParamGather(
+                info_tree, "float32" if self.ddp_config.grad_reduce_in_fp32 else None,
+                self.ddp_config.fsdp_reshard_after_forward)
         leaves, treedef = jax.tree.flatten(params)
         infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]
@@ -330,7 +343,8 @@ class DistributedDataParallel:
         meta = self.layout
 
         def broadcast(x, info):
-            axes = self.state.replica_axes(info.expert)
+            # Over the ranks holding copies (an FSDP-sharded parameter has none on its fsdp axes).
+            axes = tuple(a for a in self.state.replica_axes(info.expert) if a not in info.fsdp_axes)
             if not axes:
                 return x
             first = lax.axis_index(axes) == 0

@@ -6,8 +6,6 @@ import dataclasses
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-FSDP's ``data_parallel_sharding_strategy`` values: what is sharded over data parallelism."""
-IMPLEMENTED_STRATEGIES = ("no_shard", "optim", "optim_grads")
-"""The strategies this package implements (``optim_grads_params``, ZeRO-3, is not implemented yet)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,14 +17,11 @@ class DistributedDataParallelConfig:
     * ``num_buckets`` (an alternative to ``bucket_size``): not supported; give ``bucket_size``.
     * ``fp8_param_gather``, ``fp4_param_gather``, ``reuse_grad_buf_for_mxfp8_param_ag``,
       ``keep_fp8_transpose_cache``: not applicable, the package has no FP8/FP4 parameters.
-    * ``data_parallel_sharding_strategy="optim_grads_params"`` (ZeRO-3, parameters sharded too):
-      not implemented yet, refused with a ``ValueError``; ``no_shard``, ``optim`` and
-      ``optim_grads`` are (``use_megatron_fsdp``, ``data_parallel_sharding_strategy``).
     * ``use_custom_fsdp`` (Megatron's deprecated alias of ``use_megatron_fsdp``),
       ``megatron_fsdp_version``, ``outer_dp_sharding_strategy`` (hybrid FSDP),
       ``suggested_communication_unit_size``, ``preserve_fp32_weights``, ``fsdp_double_buffer``:
-      Megatron-FSDP's implementation options, not supported (``core.distributed.data_parallel``
-      has the xlstm_jax FSDP utilities for parameter sharding).
+      Megatron-FSDP's buffer-management options, not applicable (XLA allocates the gathered
+      copies and schedules the collectives).
     * ``nccl_ub``, ``disable_symmetric_registration``: NCCL user-buffer registration; not
       applicable, XLA allocates and registers collective buffers itself.
     * ``gradient_reduce_div_fusion``: not applicable, XLA fuses the 1/dp pre-scaling into the
@@ -89,13 +84,30 @@ class DistributedDataParallelConfig:
     masters, ZeRO-1: the distributed optimizer), ``optim_grads`` (also the gradients, ZeRO-2: each
     microbatch's grads are reduce-scattered into this rank's shard right after its backward, so only
     shard-sized accumulators live across microbatches; under a pipeline schedule, which accumulates
-    grads itself, it behaves as ``optim``). ``optim_grads_params`` (ZeRO-3) is not implemented yet.
+    grads itself, it behaves as ``optim``), ``optim_grads_params`` (also the parameters, ZeRO-3:
+    each parameter is split over the data-parallel ranks at rest, the model gathers one unit (the
+    embedding, a layer, the head) right before using it and the gather's transpose reduce-scatters
+    the unit's grads per microbatch; the optimizer steps every rank's shards, ``core.distributed.fsdp``).
     Megatron's config default; its CLI default is ``optim_grads_params``."""
+    fsdp_reshard_after_forward: bool = True
+    """``optim_grads_params``: gather a unit's parameters again for its backward (the gathered copy
+    is dead after each use); False keeps the forward's copy for the backward (one gather fewer per
+    unit and microbatch, every unit's gathered parameters held from its forward to its backward).
+    torchtitan's name; Megatron-FSDP always re-gathers."""
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether parameters are sharded over data parallelism at rest (``optim_grads_params``, ZeRO-3)."""
+        return self.use_megatron_fsdp and self.data_parallel_sharding_strategy == "optim_grads_params"
 
     @property
     def shards_optimizer_state(self) -> bool:
-        """Whether optimizer state and fp32 masters are sharded over data parallelism (the distributed
-        optimizer: ``use_distributed_optimizer``, or Megatron-FSDP's ``optim`` / ``optim_grads``)."""
+        """Whether the distributed optimizer shards optimizer state and fp32 masters over data
+        parallelism in bucket shards (``use_distributed_optimizer``, or Megatron-FSDP's ``optim`` /
+        ``optim_grads``). Under ``optim_grads_params`` the state is split like the (sharded)
+        parameters instead, leaf by leaf, so this is False there."""
+        if self.shards_params:
+            return False
         return self.use_distributed_optimizer or (
             self.use_megatron_fsdp and self.data_parallel_sharding_strategy in ("optim", "optim_grads"))
 
@@ -114,15 +126,16 @@ class DistributedDataParallelConfig:
             if strategy != "no_shard":
                 raise ValueError(f"data_parallel_sharding_strategy={strategy!r} needs use_megatron_fsdp=True")
             return
-        if strategy not in IMPLEMENTED_STRATEGIES:
-            raise ValueError(f"data_parallel_sharding_strategy={strategy!r} (ZeRO-3) is not implemented yet; "
-                             "use 'optim_grads' (ZeRO-2), 'optim' or 'no_shard'")
         if strategy == "no_shard" and self.use_distributed_optimizer:
             raise ValueError("use_distributed_optimizer=True shards the optimizer state, which contradicts "
                              "data_parallel_sharding_strategy='no_shard'; use 'optim' or 'optim_grads'")
-        if strategy == "optim_grads" and self.check_for_large_grads:
+        if strategy in ("optim_grads", "optim_grads_params") and self.check_for_large_grads:
             raise ValueError("check_for_large_grads checks the local grads accumulated over the step, which "
-                             "data_parallel_sharding_strategy='optim_grads' never holds; use 'optim'")
+                             f"data_parallel_sharding_strategy={strategy!r} never holds; use 'optim'")
+        if strategy == "optim_grads_params" and self.num_distributed_optimizer_instances > 1:
+            raise ValueError(f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} "
+                             "(HSDP) is not implemented with data_parallel_sharding_strategy='optim_grads_params'; "
+                             "use 'optim' or 'optim_grads' for a partial distributed optimizer")
 
     def __post_init__(self) -> None:
         self._check_megatron_fsdp()
@@ -133,15 +146,15 @@ class DistributedDataParallelConfig:
         n = self.num_distributed_optimizer_instances
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"num_distributed_optimizer_instances must be a positive int, got {n!r}")
-        if n > 1 and not self.shards_optimizer_state:
+        if n > 1 and not self.shards_optimizer_state and not self.shards_params:
             raise ValueError(f"num_distributed_optimizer_instances={n} (partial distributed optimizer) needs "
                              "use_distributed_optimizer=True")
         if n > 1 and self.reduce_scatter_with_fp32_accumulation:
             raise ValueError(f"reduce_scatter_with_fp32_accumulation is not supported with "
                              f"num_distributed_optimizer_instances={n} > 1 (as in Megatron)")
-        if self.overlap_param_gather and not self.shards_optimizer_state:
+        if self.overlap_param_gather and not (self.shards_optimizer_state or self.shards_params):
             raise ValueError("overlap_param_gather needs use_distributed_optimizer=True (only the distributed "
-                             "optimizer gathers params)")
+                             "optimizer and Megatron-FSDP gather params)")
 
     def effective_bucket_size(self, data_parallel_size: int) -> int | None:
         """The bucket size actually used (None = a single bucket per buffer)."""

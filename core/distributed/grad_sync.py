@@ -21,7 +21,10 @@ depends only on its own gradients:
   full sum, bit-identical on the I holders of a shard;
 * with ``reduce_scatter_with_fp32_accumulation``: the reduce-scatter is an all-to-all in the
   grad dtype plus a local fp32 sum, cast back to the grad dtype
-  (:func:`core.distributed.collectives.reduce_scatter_with_fp32_accumulation`).
+  (:func:`core.distributed.collectives.reduce_scatter_with_fp32_accumulation`);
+* parameters sharded over data parallelism (Megatron-FSDP ``optim_grads_params``, buffers whose
+  key says ``fsdp_sharded``): no collective here, the model's per-unit gathers reduce-scattered
+  their grads already (:mod:`core.distributed.fsdp`); they are only scaled.
 
 Scaling (see ``finalize_model_grads`` for the whole loss-normalisation contract): grads are
 pre-multiplied by ``1/(dp*cp)`` and summed, or, with ``average_in_collective``, averaged in
@@ -187,6 +190,11 @@ def reduce_gradients(
         axes = reduction_axes(spec, state)
         group, scale, average = _scaling(spec, ddp_config, state, per_token_loss)
         dtype = jnp.dtype(spec.key.grad_dtype)
+        if spec.key.fsdp_sharded:  # summed over the group by the gathers' reduce-scatters already
+            scale = scale / group if average else scale
+            for i in spec.leaves:
+                out[i] = _prescale(out[i].astype(dtype), scale)
+            continue
         for b in range(len(spec.layout.bucket_indices)):
             members = [spec.leaves[j] for j in spec.layout.bucket_params(b)]
             grads = {i: _prescale(out[i].astype(dtype), scale) for i in members}

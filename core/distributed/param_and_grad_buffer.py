@@ -147,6 +147,9 @@ class BufferKey:
     """Gradient (buffer) dtype name: fp32 with grad_reduce_in_fp32, else the param dtype."""
     is_expert_parallel: bool
     """Expert parameters reduce over the expert-data-parallel group."""
+    fsdp_sharded: bool = False
+    """Parameters sharded over data parallelism (Megatron-FSDP ``optim_grads_params``): their grads
+    arrive reduced (the gathers' transposes reduce-scatter them), the buffer only scales them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +186,7 @@ def build_buffer_specs(
     for i, (dtype, info) in enumerate(zip(dtypes, infos, strict=True)):
         param_dtype = jnp.dtype(dtype).name
         grad_dtype = "float32" if grad_reduce_in_fp32 else param_dtype
-        groups.setdefault(BufferKey(param_dtype, grad_dtype, info.expert), []).append(i)
+        groups.setdefault(BufferKey(param_dtype, grad_dtype, info.expert, info.fsdp_sharded), []).append(i)
     specs = []
     for key, leaves in groups.items():
         numels = [int(np.prod(shapes[i])) for i in leaves]

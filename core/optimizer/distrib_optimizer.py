@@ -476,10 +476,10 @@ class DistributedOptimizer:
 
     def _norm_axes(self, spec: BufferSpec) -> tuple[str, ...]:
         """Mesh axes a buffer's squared-norm contributions are summed over: every axis when
-        distributed (each rank counts its shard); without the ones it is reduced over when
-        replicated (every rank of the group counts its own identical copy)."""
+        distributed or sharded over data parallelism (each rank counts its shard); without the ones
+        it is reduced over when replicated (every rank of the group counts its own identical copy)."""
         axes = tuple(self.state.mesh.axis_names)
-        if self.sharded:
+        if self.sharded or spec.key.fsdp_sharded:  # every rank holds its own shard
             return axes
         replicated_over = reduction_axes(spec, self.state)
         return tuple(a for a in axes if a not in replicated_over)

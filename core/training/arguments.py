@@ -29,6 +29,7 @@ from core.training.flags import (  # noqa: F401 (the parser's names, re-exported
 
 if TYPE_CHECKING:
     from core.data.tokenizers import MegatronTokenizer
+    from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.models.gpt import GPTConfig
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise model_error(e) from None
-    _validate_megatron_fsdp(args)
     _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
+    _validate_megatron_fsdp(args)
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
@@ -143,27 +144,41 @@ def sharding_strategy(args: argparse.Namespace) -> str:
     return args.data_parallel_sharding_strategy if args.use_megatron_fsdp else "no_shard"
 
 
-def shards_optimizer_state(args: argparse.Namespace) -> bool:
-    """Whether the flags ask for the distributed optimizer (directly or by a Megatron-FSDP strategy)."""
-    return args.use_distributed_optimizer or sharding_strategy(args) in ("optim", "optim_grads")
+def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
+    """The data-parallel flags as a :class:`~core.distributed.DistributedDataParallelConfig`
+    (``ValueError`` from its checks; ``validate_args`` words them as flags)."""
+    from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+
+    # No in-step NaN skip unless asked (check_for_nan_in_grad): the loop stops at the first
+    # non-finite loss or grad norm and saves nothing after it (Megatron's
+    # --check-for-nan-in-loss-and-grad), so parameters left unchanged would never be used.
+    return DistributedDataParallelConfig(
+        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, grad_reduce_in_fp32=True,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, check_for_spiky_loss=args.check_for_spiky_loss,
+        spiky_loss_factor=args.spiky_loss_factor, use_megatron_fsdp=args.use_megatron_fsdp,
+        data_parallel_sharding_strategy=sharding_strategy(args),
+        fsdp_reshard_after_forward=not args.no_fsdp_reshard_after_forward)
 
 
 def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
-    """``--data-parallel-sharding-strategy``: one of Megatron's four, implemented, and not contradicting
-    ``--use-distributed-optimizer``."""
-    from core.distributed.distributed_data_parallel_config import IMPLEMENTED_STRATEGIES, SHARDING_STRATEGIES
+    """``--data-parallel-sharding-strategy``: one of Megatron's four and not contradicting
+    ``--use-distributed-optimizer``; then the DDP config's own checks, worded as flags."""
+    from core.distributed.distributed_data_parallel_config import SHARDING_STRATEGIES
 
     flag, strategy = "--data-parallel-sharding-strategy", args.data_parallel_sharding_strategy
     if strategy not in SHARDING_STRATEGIES:
         raise ArgumentError(f"{flag} must be one of {', '.join(SHARDING_STRATEGIES)}, got {strategy!r}")
-    if not args.use_megatron_fsdp:
-        return
-    if strategy not in IMPLEMENTED_STRATEGIES:
-        raise ArgumentError(f"{flag} {strategy} (ZeRO-3, Megatron's default with --use-megatron-fsdp) is not "
-                            "implemented yet; pass optim_grads, optim or no_shard")
-    if strategy == "no_shard" and args.use_distributed_optimizer:
+    if args.use_megatron_fsdp and strategy == "no_shard" and args.use_distributed_optimizer:
         raise ArgumentError(f"{flag} no_shard contradicts --use-distributed-optimizer (which shards the optimizer "
-                            "state); pass optim or optim_grads")
+                            "state); pass optim, optim_grads or optim_grads_params")
+    if args.no_fsdp_reshard_after_forward and sharding_strategy(args) != "optim_grads_params":
+        raise ArgumentError("--no-fsdp-reshard-after-forward needs --use-megatron-fsdp with "
+                            f"{flag} optim_grads_params")
+    try:
+        ddp_config(args)
+    except ValueError as e:
+        raise model_error(e) from None
 
 
 def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, expert_data_parallel: int) -> None:
@@ -172,7 +187,7 @@ def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, 
     n, flag = args.num_distributed_optimizer_instances, "--num-distributed-optimizer-instances"
     if n < 1:
         raise ArgumentError(f"{flag} must be >= 1, got {n}")
-    if n > 1 and not shards_optimizer_state(args):
+    if n > 1 and not (args.use_distributed_optimizer or sharding_strategy(args) != "no_shard"):
         raise ArgumentError(f"{flag} {n} needs --use-distributed-optimizer")
     for what, size in (("data-parallel x context-parallel size", data_parallel),
                        ("expert data-parallel x context-parallel size", expert_data_parallel)):

@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
                    help="with --use-megatron-fsdp: no_shard (plain DDP), optim (ZeRO-1, the distributed optimizer), "
                         "optim_grads (ZeRO-2: grads reduce-scattered per microbatch) or optim_grads_params "
-                        "(ZeRO-3, Megatron's default; not implemented yet)")
+                        "(ZeRO-3, Megatron's default: params sharded too, gathered per layer)")
+    g.add_argument("--no-fsdp-reshard-after-forward", action="store_true",
+                   help="optim_grads_params: keep each layer's gathered params from its forward for its backward "
+                        "(one gather fewer, more memory) instead of gathering them again")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from core.training.arguments import lr_decay_iters, lr_warmup_iters, min_lr, model_config, sharding_strategy
+from core.training.arguments import ddp_config, lr_decay_iters, lr_warmup_iters, min_lr, model_config
 
 if TYPE_CHECKING:
     from core.checkpointing.checkpointer import CheckpointConfig
@@ -27,7 +27,6 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
 def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     """The validated flags (``validate_args``, which checks them once, naming flags) as the
     trainer's typed configs, the model with the tokenizer's vocabulary."""
-    from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.optimizer.optimizer_param_scheduler import SchedulerConfig
     from core.training.config import LoggingConfig, PretrainConfig, ProfileConfig
@@ -40,15 +39,7 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
 
     check_tokenizer_fits(args, data_vocab_size(data))
     model = model_config(args, data_vocab_size(data))
-    # No in-step NaN skip unless asked (check_for_nan_in_grad): the loop stops at the first
-    # non-finite loss or grad norm and saves nothing after it (Megatron's
-    # --check-for-nan-in-loss-and-grad), so parameters left unchanged would never be used.
-    ddp = DistributedDataParallelConfig(
-        use_distributed_optimizer=args.use_distributed_optimizer, overlap_grad_reduce=args.overlap_grad_reduce,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, grad_reduce_in_fp32=True,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, check_for_spiky_loss=args.check_for_spiky_loss,
-        spiky_loss_factor=args.spiky_loss_factor, use_megatron_fsdp=args.use_megatron_fsdp,
-        data_parallel_sharding_strategy=sharding_strategy(args))
+    ddp = ddp_config(args)
     return PretrainConfig(
         model=model, training=training, ddp=ddp, data=data, checkpoint=checkpoint_config(args),
         logging=LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,

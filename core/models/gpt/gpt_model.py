@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from core.context_parallel import cp_positions
+from core.distributed.fsdp.unit_gather import ParamGather
 from core.distributed.loss_normalization import sequence_mean
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_model_loss_terms
@@ -75,6 +76,11 @@ class GPTModel:
         self.chunk_moe_pattern = config.chunk_moe_pattern(self.layers_per_chunk)
         """Per position in a model chunk: whether that layer is MoE (the same in every chunk)."""
         self.head = GPTOutputHead(config)
+        self.param_gather: ParamGather | None = None
+        """Megatron-FSDP ``optim_grads_params``: the parameters are sharded over data parallelism at
+        rest and each unit (the embedding, every layer, the head) gathers its own right before
+        use (:class:`~core.distributed.fsdp.ParamGather`; set by ``DistributedDataParallel``).
+        None: the parameters arrive whole."""
 
     # -- parameters -----------------------------------------------------------------------
     def init(self, rng: jax.Array, tokens: jax.Array) -> dict:
@@ -142,6 +148,17 @@ class GPTModel:
         rate = self.config.moe.moe_router_bias_update_rate
         return {"expert_bias": get_updated_expert_bias(tpe, bias, rate)}
 
+    def _unit(self, params: Any, path: tuple[str, ...], compute_dtype: Any = None, stacked: int = 0) -> Any:
+        """One FSDP unit's parameters, gathered when they are sharded (see :attr:`param_gather`)."""
+        if self.param_gather is None:
+            return params
+        return self.param_gather.unit(params, path, compute_dtype, stacked)
+
+    @property
+    def _regather(self) -> bool:
+        """Whether a unit's backward gathers its parameters again (not kept from the forward)."""
+        return self.param_gather is not None and self.param_gather.reshard_after_forward
+
     def _cast(self, tree: Any) -> Any:
         dtype = self.config.compute_dtype
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
@@ -166,7 +183,8 @@ class GPTModel:
         # The tables are read in the params' dtype and the result cast: the lookup's backward then
         # scatter-adds the tokens' gradients in fp32. A bf16 scatter-add rounds at every add and is
         # slow on GPUs; the fp32 one is exact and fast (bench/results/2026-11-gpu.md).
-        x = self.embedding.apply({"params": shared["embedding"]}, tokens, self.context(microbatch))
+        table = self._unit(shared["embedding"], ("embedding",))
+        x = self.embedding.apply({"params": table}, tokens, self.context(microbatch))
         return x.astype(self.config.compute_dtype)
 
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
@@ -181,12 +199,17 @@ class GPTModel:
         (params ``{"dense", "moe"}`` stacked per kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's
         expert biases, with them) runs unrolled in layer order."""
         ctx = self.context(microbatch)
+        dtype = self.config.compute_dtype
         if self.moe_layer is None:
-            body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
-            body = with_recompute(body, self.config.recompute_granularity)
+            # Under FSDP each layer gathers its shards inside the scan body, in the compute dtype.
+            layer_params = lambda p: self._cast(self._unit(p, ("layers",), dtype, stacked=2))
+            body = lambda h, xs: (self.layer.apply({"params": layer_params(xs[0])}, h,
+                                                   ctx.replace(layer_index=xs[1])), None)
+            body = with_recompute(body, self.config.recompute_granularity, self._regather)
             index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
-            return lax.scan(body, x, (self._cast(chunk_layers), index), unroll=self.config.unroll_layers)[0], {}
-        chunk = self._cast(chunk_layers)
+            chunk = chunk_layers if self.param_gather is not None else self._cast(chunk_layers)
+            return lax.scan(body, x, (chunk, index), unroll=self.config.unroll_layers)[0], {}
+        chunk = chunk_layers if self.param_gather is not None else self._cast(chunk_layers)
         count = {"dense": 0, "moe": 0}
         auxes = []
         for j, is_moe in enumerate(self.chunk_moe_pattern):
@@ -198,8 +221,9 @@ class GPTModel:
             if is_moe and self.has_expert_bias:  # the router's non-trainable top-k bias (no gradient)
                 bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
                 variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
-            fn = lambda p, h, c, layer=layer, v=variables: layer.apply({"params": p, **v}, h, c)
-            fn = with_recompute(fn, self.config.recompute_granularity)
+            fn = lambda p, h, c, layer=layer, v=variables, kind=kind: layer.apply(
+                {"params": self._cast(self._unit(p, ("layers", kind), dtype, stacked=2)), **v}, h, c)
+            fn = with_recompute(fn, self.config.recompute_granularity, self._regather)
             out = fn(p, x, ctx.replace(layer_index=first_layer + j))
             if is_moe:
                 x, aux = out
@@ -225,10 +249,18 @@ class GPTModel:
 
     def _output_logits(self, shared: dict, x: jax.Array) -> jax.Array:
         """Final norm and output layer: vocabulary-split ``[s, b, V/tp]`` logits (compute dtype)."""
-        shared = self._cast(shared)
-        word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
-            else None
-        return self.head.apply({"params": shared["head"]}, x, word)
+        tied = self.config.share_embeddings_and_output_weights
+
+        def logits(head, word, x):
+            dtype = self.config.compute_dtype
+            head = self._cast(self._unit(head, ("head",), dtype))
+            if word is not None:
+                word = self._cast(self._unit(word, ("embedding", "word_embeddings", "weight"), dtype))
+            return self.head.apply({"params": head}, x, word)
+
+        if self._regather:  # the head is a unit of its own: gathered again for its backward
+            logits = with_recompute(logits, None, regather_params=True)
+        return logits(shared["head"], shared["embedding"]["word_embeddings"]["weight"] if tied else None, x)
 
     @property
     def sequence_axis(self) -> str | None:
@@ -306,8 +338,11 @@ class GPTModel:
     def _logits_program(self):
         dp = self.state.data_parallel_axis_name
         sample = jax.ShapeDtypeStruct((1, self.config.seq_length), jnp.int32)
-        boxed = abstract_boxed_params(self.init, self.state.mesh, (jax.random.key(0), sample), (P(), P()))
-        specs = jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
+        if self.param_gather is not None:  # the parameters at rest, FSDP splits included
+            specs = self.param_gather.specs
+        else:
+            boxed = abstract_boxed_params(self.init, self.state.mesh, (jax.random.key(0), sample), (P(), P()))
+            specs = jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
         return jax.jit(jax.shard_map(self.logits, mesh=self.state.mesh, in_specs=(specs, P(dp), P(dp)),
                                      out_specs=P(dp), check_vma=False))
 
