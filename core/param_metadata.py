@@ -167,16 +167,18 @@ def abstract_boxed_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, 
 
 def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
                         in_specs: Sequence[PartitionSpec],
-                        refine: Callable[[ParamInfo, tuple[int, ...]], ParamInfo] | None = None
-                        ) -> tuple[Any, Any, Any]:
+                        refine: Callable[[ParamInfo, tuple[int, ...]], ParamInfo] | None = None,
+                        abstract: bool = False) -> tuple[Any, Any, Any]:
     """Initialise parameters inside ``shard_map`` as global arrays sharded as their metadata says.
 
     ``init_fn(*args)`` (e.g. ``module.init``) runs on local shards and creates local parameter
     shapes. A first abstract pass reads the metadata; the real pass returns global arrays with
     those partition specs. ``refine(info, local_shape)`` may add an FSDP split to a parameter's
     info (:attr:`ParamInfo.fsdp_dim`): each rank then keeps only its block of the value it
-    created, inside the same program, so no device ever returns more than its shard. Returns
-    ``(params, partition_spec_tree, param_info_tree)``.
+    created, inside the same program, so no device ever returns more than its shard. With
+    ``abstract`` nothing is computed: the params are ``jax.ShapeDtypeStruct`` leaves with their
+    global shapes and shardings (what ``jit(...).lower`` takes to compile a step for a model too
+    large to allocate here). Returns ``(params, partition_spec_tree, param_info_tree)``.
     """
     boxed = abstract_boxed_params(init_fn, mesh, args, in_specs)
     infos = param_info_tree(boxed)
@@ -187,7 +189,8 @@ def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, ar
     def init(*a):
         return jax.tree.map(_keep_fsdp_block, unbox(init_fn(*a)), infos)
 
-    params = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))(*args)
+    program = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))
+    params = jax.eval_shape(program, *args) if abstract else program(*args)
     return params, specs, infos
 
 

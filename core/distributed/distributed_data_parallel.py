@@ -165,10 +165,13 @@ class DistributedDataParallel:
         return self._programs[key]
 
     # -- init ------------------------------------------------------------------------------
-    def init(self, rng: jax.Array, *sample_inputs: Any) -> Any:
+    def init(self, rng: jax.Array, *sample_inputs: Any, abstract: bool = False) -> Any:
         """Initialise parameters (global arrays) from one microbatch's local-shaped sample inputs.
 
-        Reads the parameters' parallel metadata and builds the gradient buffers.
+        Reads the parameters' parallel metadata and builds the gradient buffers. With ``abstract``
+        nothing is allocated: the parameters are ``jax.ShapeDtypeStruct`` leaves (global shapes,
+        shardings), enough to lower and compile a training step (``step.lower(...)``) and read its
+        ``memory_analysis`` for a model too large for this machine.
         """
         in_specs = (P(),) * (1 + len(sample_inputs))
         refine = None
@@ -179,7 +182,7 @@ class DistributedDataParallel:
                                 f"{type(self.module).__name__} has none")
             refine = lambda info, shape: shard_over_data_parallel(info, shape, self.state)
         params, specs_tree, info_tree = init_sharded_params(self.module.init, self.mesh, (rng, *sample_inputs),
-                                                            in_specs, refine)
+                                                            in_specs, refine, abstract)
         if refine is not None:
             self.module.param_gather = ParamGather(
                 info_tree, "float32" if self.ddp_config.grad_reduce_in_fp32 else None,
@@ -200,7 +203,7 @@ class DistributedDataParallel:
         self._layout = ModelLayout(
             treedef=treedef, infos=tuple(infos), buffer_specs=tuple(specs), param_specs=specs_tree, paths=paths,
             shapes=tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for x in leaves))
-        self.params = params
+        self.params = None if abstract else params
         return params
 
     def _local_shape(self, shape: Sequence[int], spec: P) -> list[int]:

@@ -86,13 +86,17 @@ class MegatronOptimizer:
     def init_state(self, params: Any) -> Any:
         """The optimizer state of ``params`` (a global-array tree from ``model.init``): split like
         the params when replicated; device-local when distributed (each data-parallel rank holds
-        only its shards). It also becomes :attr:`opt_state`."""
+        only its shards). It also becomes :attr:`opt_state`. For ``jax.ShapeDtypeStruct`` params
+        (``model.init(..., abstract=True)``) the state's shapes and shardings, nothing allocated."""
         def build() -> Callable:
             opt = self.inner
             fn = lambda p: opt.state_from_local(opt.init(jax.tree.leaves(p)))
             return jax.jit(self.model.shard_map(fn, (self.model.param_specs,), self.state_specs))
 
-        self.opt_state = self._program("init_state", build)(params)  # built once: a new jit recompiles
+        program = self._program("init_state", build)  # built once: a new jit recompiles
+        if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+            return jax.eval_shape(program, params)
+        self.opt_state = program(params)
         return self.opt_state
 
     def state_bytes_per_device(self, opt_state: Any) -> int:
