@@ -4,6 +4,6 @@ rest (:mod:`~core.distributed.fsdp.param_sharding`) and gathered unit by unit by
 (``fully_shard_model``, ``fully_shard_optimizer``, ``fully_shard``) are in :mod:`core.megatron_fsdp`."""
 
 from core.distributed.fsdp.param_sharding import shard_over_data_parallel
-from core.distributed.fsdp.unit_gather import GATHERED_PARAMS, ParamGather, gather_shard
+from core.distributed.fsdp.unit_gather import ParamGather, gather_shard
 
-__all__ = ["GATHERED_PARAMS", "ParamGather", "gather_shard", "shard_over_data_parallel"]
+__all__ = ["ParamGather", "gather_shard", "shard_over_data_parallel"]

@@ -1,40 +1,45 @@
 """Gathering one FSDP unit's parameters right before it runs (Megatron-FSDP ``optim_grads_params``).
 
 A model whose parameters are sharded over data parallelism at rest
-(:func:`~core.distributed.fsdp.param_sharding.shard_over_data_parallel`) calls
-:meth:`ParamGather.unit` on one unit's parameters (the embedding, one transformer layer inside
-the layer scan, the output head) where it uses them. Each sharded leaf is
+(:func:`~core.distributed.fsdp.param_sharding.shard_over_data_parallel`) gathers one unit's
+parameters (the embedding, one transformer layer inside the layer scan, the output head) where
+it uses them. Each sharded leaf is cast to the compute dtype and all-gathered over its
+data-parallel axes (the gathered copy travels in bf16 under mixed precision, as Megatron-FSDP
+gathers its compute weights), and its gradient is reduce-scattered over the same axes, in
+``reduce_dtype`` (fp32 with ``grad_reduce_in_fp32``): the gradient that reaches the shard is
+summed over data parallelism already, per unit and per microbatch, so only shard-sized
+gradients live across microbatches.
 
-* cast to the compute dtype and all-gathered over its data-parallel axes (the gathered copy
-  travels in bf16 under mixed precision, as Megatron-FSDP gathers its compute weights);
-* tagged :data:`GATHERED_PARAMS` so that the layer's
-  ``jax.checkpoint`` (:func:`~core.transformer.recompute.with_recompute`) does not keep it for
-  the backward: the backward gathers it again and the gathered copy is dead after each use
-  (``reshard_after_forward``; off, the forward's copy is kept instead: one gather fewer, one
-  unit's gathered parameters more per layer held for the backward);
-* differentiated as a reduce-scatter of its gradient over the same axes, in ``reduce_dtype``
-  (fp32 with ``grad_reduce_in_fp32``): the gradient that reaches the shard is already summed
-  over data parallelism, per unit and per microbatch, and only shard-sized gradients live
-  across microbatches.
+Two ways, :class:`ParamGather`'s two methods:
+
+* :meth:`ParamGather.call` runs the unit itself with a VJP of its own: the forward gathers, runs
+  the unit and keeps what its backward needs *except* the gathered parameters (residuals that
+  are the gathered arrays themselves, as the package's linear layers keep their weights); the
+  backward gathers them again, runs the unit's backward and reduce-scatters the parameters'
+  grads. The gathered copy is dead once the unit has run, in the forward and in the backward
+  (``reshard_after_forward``; off, the forward's copy is kept for the backward instead);
+* :meth:`ParamGather.unit` returns the gathered parameters (differentiable: the gathers'
+  transposes reduce-scatter); a unit rematerialised by ``jax.checkpoint`` (activation
+  recompute) gathers again in its backward by construction.
+
+Under ``--scan-layers`` each layer's gather and reduce-scatter sit in the scan body, so at most
+about one layer's gathered parameters and unreduced grads exist at a time. With the layers
+unrolled XLA's scheduler places the collectives (on GPUs the latency-hiding scheduler, within
+its memory limit; the CPU's list scheduler may keep several layers' copies alive).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from core.distributed.collectives import all_gather, reduce_scatter
 from core.param_metadata import ParamInfo
-
-GATHERED_PARAMS = "fsdp_gathered_params"
-"""``checkpoint_name`` of a unit's all-gathered parameters (what the layers' ``jax.checkpoint``
-policies never keep for the backward, :func:`~core.transformer.recompute.with_recompute`)."""
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -70,23 +75,93 @@ class ParamGather:
     reshard_after_forward: bool = True
     """Gather again for the backward instead of keeping the forward's gathered copy."""
 
+    def infos_at(self, path: Sequence[str]) -> Any:
+        """The :class:`~core.param_metadata.ParamInfo` subtree at ``path`` of the parameters."""
+        infos = self.infos
+        for key in path:
+            infos = infos[key]
+        return infos
+
+    def call(self, fn: Callable[[Any, Any], Any], params: Any, x: Any, infos: Any,
+             compute_dtype: Any = None, stacked: int = 0) -> Any:
+        """``fn(whole_params, x)`` for one unit whose parameters ``params`` (``infos``: their
+        :class:`~core.param_metadata.ParamInfo` subtree, :meth:`infos_at`; ``stacked`` as for
+        :meth:`unit`) are gathered for it in ``compute_dtype``. With ``reshard_after_forward``
+        the unit's VJP keeps only the shards and whatever else ``fn``'s backward needs: the
+        backward gathers the parameters again (the forward's gathered copy is dead once ``fn``
+        has run) and reduce-scatters their grads. Without it the forward's copy is kept
+        (:meth:`unit`). ``x`` (a pytree of arrays) is differentiated; anything else ``fn`` uses
+        it closes over."""
+        if not self.reshard_after_forward:
+            return fn(self._gather_with_vjp(params, infos, compute_dtype, stacked), x)
+        gather = lambda p: self._gather(p, infos, compute_dtype, stacked)
+        static: dict[str, Any] = {}
+
+        @jax.custom_vjp
+        def call(params, x):
+            return fn(gather(params), x)
+
+        def call_fwd(params, x):
+            whole = gather(params)
+            y, backward = jax.vjp(fn, whole, x)
+            residuals, static["tree"] = jax.tree.flatten(backward)
+            # Residuals that are gathered parameters themselves are not kept: the backward
+            # gathers them again from the shards.
+            position = {id(w): j for j, w in enumerate(jax.tree.leaves(whole))}
+            static["regathered"] = [position.get(id(r)) for r in residuals]
+            kept = [None if j is not None else r for r, j in zip(residuals, static["regathered"], strict=True)]
+            return y, (params, kept)
+
+        def call_bwd(saved, g):
+            params, kept = saved
+            whole = jax.tree.leaves(gather(params))
+            residuals = [whole[j] if j is not None else r for r, j in zip(kept, static["regathered"], strict=True)]
+            d_whole, dx = jax.tree.unflatten(static["tree"], residuals)(g)
+            return self._scatter(d_whole, params, infos, stacked), dx
+
+        call.defvjp(call_fwd, call_bwd)
+        return call(params, x)
+
+    def _gather(self, params: Any, infos: Any, compute_dtype: Any, stacked: int) -> Any:
+        """Every leaf whole (sharded leaves all-gathered), in ``compute_dtype`` (None: its own)."""
+        def leaf(x: jax.Array, info: ParamInfo) -> jax.Array:
+            dtype = jnp.dtype(compute_dtype if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+                              else x.dtype)
+            if not info.fsdp_sharded:
+                return x.astype(dtype)
+            return all_gather(x.astype(dtype), info.fsdp_axes, axis=info.fsdp_dim - stacked)
+
+        return jax.tree.map(leaf, params, infos)
+
+    def _scatter(self, grads: Any, params: Any, infos: Any, stacked: int) -> Any:
+        """The transpose of :meth:`_gather`: each sharded leaf's grad reduce-scattered (in
+        ``reduce_dtype``), every grad in its parameter's dtype."""
+        def leaf(g: jax.Array, x: jax.Array, info: ParamInfo) -> jax.Array:
+            if not info.fsdp_sharded:
+                return g.astype(x.dtype)
+            reduce = jnp.dtype(self.reduce_dtype) if self.reduce_dtype is not None else g.dtype
+            return reduce_scatter(g.astype(reduce), info.fsdp_axes, scatter_dimension=info.fsdp_dim - stacked
+                                  ).astype(x.dtype)
+
+        return jax.tree.map(leaf, grads, params, infos)
+
     def unit(self, params: Any, path: Sequence[str], compute_dtype: Any = None, stacked: int = 0) -> Any:
         """One unit's parameters, whole (inside ``shard_map``): ``params`` is the subtree at ``path``
         of the model's parameters with its first ``stacked`` dimensions indexed away (a layer
         sliced out of ``[vpp, L, ...]``: 2); sharded leaves are gathered in ``compute_dtype``
-        (None: their own), the others returned as they are."""
-        infos = self.infos
-        for key in path:
-            infos = infos[key]
+        (None: their own), the others returned as they are. Differentiable (the gathers'
+        transposes reduce-scatter); whatever the caller's backward needs of the gathered copy is
+        kept from the forward unless the caller is rematerialised (``jax.checkpoint``)."""
+        return self._gather_with_vjp(params, self.infos_at(path), compute_dtype, stacked)
 
+    def _gather_with_vjp(self, params: Any, infos: Any, compute_dtype: Any, stacked: int) -> Any:
         def leaf(x: jax.Array, info: ParamInfo) -> jax.Array:
             if not info.fsdp_sharded:
                 return x
             dtype = jnp.dtype(compute_dtype if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
                               else x.dtype)
             reduce = jnp.dtype(self.reduce_dtype) if self.reduce_dtype is not None else dtype
-            whole = gather_shard(x, info.fsdp_dim - stacked, info.fsdp_axes, dtype, reduce)
-            return checkpoint_name(whole, GATHERED_PARAMS)
+            return gather_shard(x, info.fsdp_dim - stacked, info.fsdp_axes, dtype, reduce)
 
         return jax.tree.map(leaf, params, infos)
 

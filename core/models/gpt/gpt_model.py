@@ -148,16 +148,18 @@ class GPTModel:
         rate = self.config.moe.moe_router_bias_update_rate
         return {"expert_bias": get_updated_expert_bias(tpe, bias, rate)}
 
-    def _unit(self, params: Any, path: tuple[str, ...], compute_dtype: Any = None, stacked: int = 0) -> Any:
-        """One FSDP unit's parameters, gathered when they are sharded (see :attr:`param_gather`)."""
+    def _run_unit(self, fn: Any, params: Any, x: Any, path: tuple[str, ...], stacked: int = 0) -> Any:
+        """``fn(params, x)`` of one unit (a layer sliced out of the stack: ``stacked`` 2). Under FSDP
+        (:attr:`param_gather`) its parameters are gathered right here, in the compute dtype; under
+        recompute the caller's ``jax.checkpoint`` gathers them again for the backward, otherwise
+        the unit's own VJP does (:meth:`~core.distributed.fsdp.ParamGather.call`)."""
         if self.param_gather is None:
-            return params
-        return self.param_gather.unit(params, path, compute_dtype, stacked)
-
-    @property
-    def _regather(self) -> bool:
-        """Whether a unit's backward gathers its parameters again (not kept from the forward)."""
-        return self.param_gather is not None and self.param_gather.reshard_after_forward
+            return fn(params, x)  # cast by the caller (run_layers casts the whole chunk once)
+        dtype = self.config.compute_dtype
+        if self.config.recompute_granularity is not None:
+            return fn(self._cast(self.param_gather.unit(params, path, dtype, stacked)), x)
+        cast_fn = lambda p, x: fn(self._cast(p), x)
+        return self.param_gather.call(cast_fn, params, x, self.param_gather.infos_at(path), dtype, stacked)
 
     def _cast(self, tree: Any) -> Any:
         dtype = self.config.compute_dtype
@@ -183,7 +185,9 @@ class GPTModel:
         # The tables are read in the params' dtype and the result cast: the lookup's backward then
         # scatter-adds the tokens' gradients in fp32. A bf16 scatter-add rounds at every add and is
         # slow on GPUs; the fp32 one is exact and fast (bench/results/2026-11-gpu.md).
-        table = self._unit(shared["embedding"], ("embedding",))
+        # The lookup's backward does not need the table: nothing gathered is kept for it.
+        table = shared["embedding"] if self.param_gather is None else self.param_gather.unit(
+            shared["embedding"], ("embedding",))
         x = self.embedding.apply({"params": table}, tokens, self.context(microbatch))
         return x.astype(self.config.compute_dtype)
 
@@ -199,31 +203,33 @@ class GPTModel:
         (params ``{"dense", "moe"}`` stacked per kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's
         expert biases, with them) runs unrolled in layer order."""
         ctx = self.context(microbatch)
-        dtype = self.config.compute_dtype
+        if self.param_gather is None:  # in the compute dtype once; FSDP units cast their gathered copy
+            chunk_layers = self._cast(chunk_layers)
         if self.moe_layer is None:
-            # Under FSDP each layer gathers its shards inside the scan body, in the compute dtype.
-            layer_params = lambda p: self._cast(self._unit(p, ("layers",), dtype, stacked=2))
-            body = lambda h, xs: (self.layer.apply({"params": layer_params(xs[0])}, h,
-                                                   ctx.replace(layer_index=xs[1])), None)
-            body = with_recompute(body, self.config.recompute_granularity, self._regather)
+            def body(h, xs):
+                apply = lambda p, h: self.layer.apply({"params": p}, h, ctx.replace(layer_index=xs[1]))
+                return self._run_unit(apply, xs[0], h, ("layers",), stacked=2), None
+
+            body = with_recompute(body, self.config.recompute_granularity)
             index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
-            chunk = chunk_layers if self.param_gather is not None else self._cast(chunk_layers)
-            return lax.scan(body, x, (chunk, index), unroll=self.config.unroll_layers)[0], {}
-        chunk = chunk_layers if self.param_gather is not None else self._cast(chunk_layers)
+            return lax.scan(body, x, (chunk_layers, index), unroll=self.config.unroll_layers)[0], {}
         count = {"dense": 0, "moe": 0}
         auxes = []
         for j, is_moe in enumerate(self.chunk_moe_pattern):
             kind = "moe" if is_moe else "dense"
-            p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk[kind])
+            p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk_layers[kind])
             count[kind] += 1
             layer = self.moe_layer if is_moe else self.layer
             variables = {}
             if is_moe and self.has_expert_bias:  # the router's non-trainable top-k bias (no gradient)
                 bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
                 variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
-            fn = lambda p, h, c, layer=layer, v=variables, kind=kind: layer.apply(
-                {"params": self._cast(self._unit(p, ("layers", kind), dtype, stacked=2)), **v}, h, c)
-            fn = with_recompute(fn, self.config.recompute_granularity, self._regather)
+
+            def fn(p, h, c, layer=layer, v=variables, kind=kind):
+                apply = lambda p, h: layer.apply({"params": p, **v}, h, c)
+                return self._run_unit(apply, p, h, ("layers", kind), stacked=2)
+
+            fn = with_recompute(fn, self.config.recompute_granularity)
             out = fn(p, x, ctx.replace(layer_index=first_layer + j))
             if is_moe:
                 x, aux = out
@@ -249,18 +255,18 @@ class GPTModel:
 
     def _output_logits(self, shared: dict, x: jax.Array) -> jax.Array:
         """Final norm and output layer: vocabulary-split ``[s, b, V/tp]`` logits (compute dtype)."""
-        tied = self.config.share_embeddings_and_output_weights
-
-        def logits(head, word, x):
-            dtype = self.config.compute_dtype
-            head = self._cast(self._unit(head, ("head",), dtype))
-            if word is not None:
-                word = self._cast(self._unit(word, ("embedding", "word_embeddings", "weight"), dtype))
-            return self.head.apply({"params": head}, x, word)
-
-        if self._regather:  # the head is a unit of its own: gathered again for its backward
-            logits = with_recompute(logits, None, regather_params=True)
-        return logits(shared["head"], shared["embedding"]["word_embeddings"]["weight"] if tied else None, x)
+        word = shared["embedding"]["word_embeddings"]["weight"] if self.config.share_embeddings_and_output_weights \
+            else None
+        apply = lambda p, x: self.head.apply({"params": p["head"]}, x, p["word"])
+        params = {"head": shared["head"], "word": word}
+        if self.param_gather is None:
+            return apply(self._cast(params), x)
+        gather = self.param_gather
+        infos = {"head": gather.infos_at(("head",)),
+                 "word": None if word is None else gather.infos_at(("embedding", "word_embeddings", "weight"))}
+        # The head is a unit of its own (with the tied word embedding): gathered for it, and
+        # again for its backward.
+        return gather.call(lambda p, x: apply(self._cast(p), x), params, x, infos, self.config.compute_dtype)
 
     @property
     def sequence_axis(self) -> str | None:
