@@ -168,26 +168,34 @@ def abstract_boxed_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, 
 def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, args: Sequence[Any],
                         in_specs: Sequence[PartitionSpec],
                         refine: Callable[[ParamInfo, tuple[int, ...]], ParamInfo] | None = None,
-                        abstract: bool = False) -> tuple[Any, Any, Any]:
+                        abstract: bool = False, prepare: Callable[[Any], None] | None = None
+                        ) -> tuple[Any, Any, Any]:
     """Initialise parameters inside ``shard_map`` as global arrays sharded as their metadata says.
 
     ``init_fn(*args)`` (e.g. ``module.init``) runs on local shards and creates local parameter
     shapes. A first abstract pass reads the metadata; the real pass returns global arrays with
     those partition specs. ``refine(info, local_shape)`` may add an FSDP split to a parameter's
     info (:attr:`ParamInfo.fsdp_dim`): each rank then keeps only its block of the value it
-    created, inside the same program, so no device ever returns more than its shard. With
+    created, inside the same program, so no device ever returns more than its shard;
+    ``prepare(infos)`` runs between the abstract pass and the real one (a module that creates its
+    parameters unit by unit can then keep each unit's blocks as it goes, so no device holds more
+    than one unit whole: what it returns already cut is not cut again). With
     ``abstract`` nothing is computed: the params are ``jax.ShapeDtypeStruct`` leaves with their
     global shapes and shardings (what ``jit(...).lower`` takes to compile a step for a model too
     large to allocate here). Returns ``(params, partition_spec_tree, param_info_tree)``.
     """
     boxed = abstract_boxed_params(init_fn, mesh, args, in_specs)
     infos = param_info_tree(boxed)
+    whole = jax.tree.map(lambda x: tuple(x.shape), unbox(boxed))
     if refine is not None:
-        infos = jax.tree.map(lambda i, x: refine(i, tuple(getattr(x, "value", x).shape)), infos, boxed, is_leaf=_is_box)
+        infos = jax.tree.map(lambda i, shape: refine(i, shape), infos, whole, is_leaf=lambda x: isinstance(x, tuple))
     specs = jax.tree.map(lambda i: i.partition_spec, infos)
+    if prepare is not None:
+        prepare(infos)
 
     def init(*a):
-        return jax.tree.map(_keep_fsdp_block, unbox(init_fn(*a)), infos)
+        cut = lambda x, info, shape: _keep_fsdp_block(x, info) if x.shape == shape else x
+        return jax.tree.map(cut, unbox(init_fn(*a)), infos, whole, is_leaf=lambda x: isinstance(x, tuple))
 
     program = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))
     params = jax.eval_shape(program, *args) if abstract else program(*args)

@@ -174,19 +174,19 @@ class DistributedDataParallel:
         ``memory_analysis`` for a model too large for this machine.
         """
         in_specs = (P(),) * (1 + len(sample_inputs))
-        refine = None
+        refine = prepare = None
         if self.ddp_config.shards_params:  # ZeRO-3: each rank keeps its block of every parameter it creates
             if not hasattr(self.module, "param_gather"):
                 raise TypeError(f"data_parallel_sharding_strategy='optim_grads_params' needs a module that gathers "
                                 f"its parameters unit by unit (a 'param_gather' attribute, as GPTModel has); "
                                 f"{type(self.module).__name__} has none")
+            self.module.param_gather = None  # the abstract pass sees the whole parameters
             refine = lambda info, shape: shard_over_data_parallel(info, shape, self.state)
+            reduce_dtype = "float32" if self.ddp_config.grad_reduce_in_fp32 else None
+            prepare = lambda infos: setattr(self.module, "param_gather", ParamGather(
+                infos, reduce_dtype, self.ddp_config.fsdp_reshard_after_forward))
         params, specs_tree, info_tree = init_sharded_params(self.module.init, self.mesh, (rng, *sample_inputs),
-                                                            in_specs, refine, abstract)
-        if refine is not None:
-            self.module.param_gather = ParamGather(
-                info_tree, "float32" if self.ddp_config.grad_reduce_in_fp32 else None,
-                self.ddp_config.fsdp_reshard_after_forward)
+                                                            in_specs, refine, abstract, prepare)
         leaves, treedef = jax.tree.flatten(params)
         infos = jax.tree.leaves(info_tree, is_leaf=lambda x: hasattr(x, "partition_spec"))
         local_shapes = [tuple(self._local_shape(x.shape, i.partition_spec)) for x, i in zip(leaves, infos, strict=True)]

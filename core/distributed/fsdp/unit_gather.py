@@ -35,10 +35,12 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from core.distributed.collectives import all_gather, reduce_scatter
+from core.distributed.collectives import all_gather, group_size, reduce_scatter
 from core.param_metadata import ParamInfo
 
 
@@ -164,6 +166,22 @@ class ParamGather:
             return gather_shard(x, info.fsdp_dim - stacked, info.fsdp_axes, dtype, reduce)
 
         return jax.tree.map(leaf, params, infos)
+
+    def keep_block(self, params: Any, path: Sequence[str], stacked: int = 0) -> Any:
+        """Inside ``shard_map``, while creating parameters: this rank's block of every sharded leaf
+        of one unit just created whole (``params``: the subtree at ``path``, boxed or not, with
+        its first ``stacked`` dimensions absent: one layer of the ``[vpp, L, ...]`` stack is 2), so
+        a model creates its parameters unit by unit without holding more than one unit whole."""
+        def leaf(box: Any, info: ParamInfo) -> Any:
+            if not info.fsdp_sharded:
+                return box
+            value = box.value if isinstance(box, nn.meta.AxisMetadata) else box
+            dim = info.fsdp_dim - stacked
+            size = value.shape[dim] // group_size(info.fsdp_axes)
+            block = lax.dynamic_slice_in_dim(value, lax.axis_index(info.fsdp_axes) * size, size, dim)
+            return box.replace_boxed(block) if isinstance(box, nn.meta.AxisMetadata) else block
+
+        return jax.tree.map(leaf, params, self.infos_at(path), is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
     @property
     def specs(self) -> Any:

@@ -84,7 +84,11 @@ class GPTModel:
 
     # -- parameters -----------------------------------------------------------------------
     def init(self, rng: jax.Array, tokens: jax.Array) -> dict:
-        """Boxed local parameters (inside ``shard_map``; ``tokens`` a local ``[b, s]`` sample)."""
+        """Boxed local parameters (inside ``shard_map``; ``tokens`` a local ``[b, s]`` sample).
+
+        Under FSDP (:attr:`param_gather` set) each unit keeps only this rank's blocks right after
+        it is created, the layers one after the other (``lax.map``), so no device holds more than
+        one unit whole."""
         k_emb, k_layers, k_head = jax.random.split(rng, 3)
         emb = self.embedding.init(k_emb, tokens)["params"]
         x = self.embedding.apply({"params": unbox(emb)}, tokens)
@@ -92,13 +96,23 @@ class GPTModel:
         index = first + jnp.arange(self.layers_per_chunk)[None, :]
         if self.moe_layer is None:
             one = lambda i: self.layer.init(jax.random.fold_in(k_layers, i), x)["params"]
-            stacked = jax.vmap(jax.vmap(one))(index)
+            if self.param_gather is None:
+                stacked = jax.vmap(jax.vmap(one))(index)
+            else:
+                flat = lax.map(lambda i: self._keep_block(one(i), ("layers",), 2), index.reshape(-1))
+                stacked = jax.tree.map(lambda b: b.replace_boxed(b.unbox().reshape(index.shape + b.unbox().shape[1:])),
+                                       flat, is_leaf=_is_box)
         else:
             stacked = self._init_moe_layers(k_layers, index, x)
         layers = jax.tree.map(lambda b: b.replace(names=(None, PP_AXIS) + tuple(b.names)), stacked, is_leaf=_is_box)
         word = None if not self.config.share_embeddings_and_output_weights else unbox(emb)["word_embeddings"]["weight"]
         head = self.head.init(k_head, x, word)["params"]
-        return {"embedding": emb, "layers": layers, "head": head}
+        return {"embedding": self._keep_block(emb, ("embedding",)), "layers": layers,
+                "head": self._keep_block(head, ("head",))}
+
+    def _keep_block(self, params: Any, path: tuple[str, ...], stacked: int = 0) -> Any:
+        """Under FSDP this rank's blocks of one unit's just-created parameters, else the parameters."""
+        return params if self.param_gather is None else self.param_gather.keep_block(params, path, stacked)
 
     def _init_moe_layers(self, key: jax.Array, index: jax.Array, x: jax.Array) -> dict:
         """``{"dense": [vpp, n_dense, ...], "moe": [vpp, n_moe, ...]}`` (kinds without layers left
@@ -109,8 +123,8 @@ class GPTModel:
             positions = [j for j, m in enumerate(self.chunk_moe_pattern) if m == (kind == "moe")]
             if not positions:
                 continue
-            chunks = [[layer.init(jax.random.fold_in(key, index[c, j]), x)["params"] for j in positions]
-                      for c in range(self.vpp)]
+            chunks = [[self._keep_block(layer.init(jax.random.fold_in(key, index[c, j]), x)["params"],
+                                        ("layers", kind), 2) for j in positions] for c in range(self.vpp)]
             stack = lambda *xs: jax.tree.map(lambda *a: a[0].replace_boxed(jnp.stack([b.unbox() for b in a])),
                                              *xs, is_leaf=_is_box)
             stacked[kind] = stack(*[stack(*chunk) for chunk in chunks])
