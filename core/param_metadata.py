@@ -198,8 +198,10 @@ def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, ar
         return jax.tree.map(cut, unbox(init_fn(*a)), infos, whole, is_leaf=lambda x: isinstance(x, tuple))
 
     program = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))
-    params = jax.eval_shape(program, *args) if abstract else program(*args)
-    return params, specs, infos
+    if not abstract:
+        return program(*args), specs, infos
+    place = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+    return jax.tree.map(place, jax.eval_shape(program, *args), specs), specs, infos
 
 
 def _keep_fsdp_block(x: jax.Array, info: ParamInfo) -> jax.Array:

@@ -95,7 +95,11 @@ class MegatronOptimizer:
 
         program = self._program("init_state", build)  # built once: a new jit recompiles
         if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
-            return jax.eval_shape(program, params)
+            mesh = self.model.mesh
+            place = lambda spec, sub: jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), sub)
+            return jax.tree.map(place, self.state_specs, jax.eval_shape(program, params),
+                                is_leaf=lambda x: isinstance(x, P))
         self.opt_state = program(params)
         return self.opt_state
 
