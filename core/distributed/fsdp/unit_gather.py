@@ -85,26 +85,28 @@ class ParamGather:
         return infos
 
     def call(self, fn: Callable[[Any, Any], Any], params: Any, x: Any, infos: Any,
-             compute_dtype: Any = None, stacked: int = 0) -> Any:
+             compute_dtype: Any = None, stacked: int = 0, prefetched: Any = None) -> Any:
         """``fn(whole_params, x)`` for one unit whose parameters ``params`` (``infos``: their
         :class:`~core.param_metadata.ParamInfo` subtree, :meth:`infos_at`; ``stacked`` as for
-        :meth:`unit`) are gathered for it in ``compute_dtype``. With ``reshard_after_forward``
-        the unit's VJP keeps only the shards and whatever else ``fn``'s backward needs: the
-        backward gathers the parameters again (the forward's gathered copy is dead once ``fn``
-        has run) and reduce-scatters their grads. Without it the forward's copy is kept
-        (:meth:`unit`). ``x`` (a pytree of arrays) is differentiated; anything else ``fn`` uses
-        it closes over."""
+        :meth:`unit`) are gathered for it in ``compute_dtype``, or were gathered ahead
+        (``prefetched``: :meth:`gather_ahead`'s value, issued while the unit before ran). With
+        ``reshard_after_forward`` the unit's VJP keeps only the shards and whatever else ``fn``'s
+        backward needs (``fn`` may be rematerialised: ``jax.checkpoint``): the backward gathers
+        the parameters again (the forward's gathered copy is dead once ``fn`` has run), runs
+        ``fn``'s backward and reduce-scatters the parameters' grads. Without it the forward's copy
+        is kept (:meth:`unit`; ``prefetched`` is not used). ``x`` (a pytree of arrays) is
+        differentiated; anything else ``fn`` uses it closes over."""
         if not self.reshard_after_forward:
             return fn(self._gather_with_vjp(params, infos, compute_dtype, stacked), x)
         gather = lambda p: self._gather(p, infos, compute_dtype, stacked)
         static: dict[str, Any] = {}
 
         @jax.custom_vjp
-        def call(params, x):
-            return fn(gather(params), x)
+        def call(params, x, ahead):
+            return fn(gather(params) if ahead is None else ahead, x)
 
-        def call_fwd(params, x):
-            whole = gather(params)
+        def call_fwd(params, x, ahead):
+            whole = gather(params) if ahead is None else ahead
             y, backward = jax.vjp(fn, whole, x)
             residuals, static["tree"] = jax.tree.flatten(backward)
             # Residuals that are gathered parameters themselves are not kept: the backward
@@ -119,10 +121,18 @@ class ParamGather:
             whole = jax.tree.leaves(gather(params))
             residuals = [whole[j] if j is not None else r for r, j in zip(kept, static["regathered"], strict=True)]
             d_whole, dx = jax.tree.unflatten(static["tree"], residuals)(g)
-            return self._scatter(d_whole, params, infos, stacked), dx
+            # The prefetched copy is a stop-gradient value: its cotangent is dropped.
+            no_ahead = None if prefetched is None else jax.tree.map(jnp.zeros_like, prefetched)
+            return self._scatter(d_whole, params, infos, stacked), dx, no_ahead
 
         call.defvjp(call_fwd, call_bwd)
-        return call(params, x)
+        return call(params, x, prefetched)
+
+    def gather_ahead(self, params: Any, infos: Any, compute_dtype: Any = None, stacked: int = 0) -> Any:
+        """A unit's parameters gathered ahead of its use (the next unit's, issued before the current
+        unit's compute so the collective can overlap it), for :meth:`call`'s ``prefetched``. No
+        gradient flows through it: :meth:`call` reduce-scatters the unit's grads into ``params``."""
+        return lax.stop_gradient(self._gather(lax.stop_gradient(params), infos, compute_dtype, stacked))
 
     def _gather(self, params: Any, infos: Any, compute_dtype: Any, stacked: int) -> Any:
         """Every leaf whole (sharded leaves all-gathered), in ``compute_dtype`` (None: its own)."""

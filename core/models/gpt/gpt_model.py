@@ -162,18 +162,45 @@ class GPTModel:
         rate = self.config.moe.moe_router_bias_update_rate
         return {"expert_bias": get_updated_expert_bias(tpe, bias, rate)}
 
-    def _run_unit(self, fn: Any, params: Any, x: Any, path: tuple[str, ...], stacked: int = 0) -> Any:
-        """``fn(params, x)`` of one unit (a layer sliced out of the stack: ``stacked`` 2). Under FSDP
-        (:attr:`param_gather`) its parameters are gathered right here, in the compute dtype; under
-        recompute the caller's ``jax.checkpoint`` gathers them again for the backward, otherwise
-        the unit's own VJP does (:meth:`~core.distributed.fsdp.ParamGather.call`)."""
+    def _run_unit(self, fn: Any, params: Any, x: Any, path: tuple[str, ...], stacked: int = 0,
+                  prefetched: Any = None) -> Any:
+        """``fn(params, x)`` of one unit (a layer sliced out of the stack: ``stacked`` 2). Without
+        FSDP the caller casts the parameters and applies recompute. Under FSDP
+        (:attr:`param_gather`) the parameters are gathered in the compute dtype, here or ahead
+        (``prefetched``), and the unit runs with recompute inside its own VJP, which gathers them
+        again for the backward (:meth:`~core.distributed.fsdp.ParamGather.call`)."""
         if self.param_gather is None:
-            return fn(params, x)  # cast by the caller (run_layers casts the whole chunk once)
-        dtype = self.config.compute_dtype
-        if self.config.recompute_granularity is not None:
-            return fn(self._cast(self.param_gather.unit(params, path, dtype, stacked)), x)
-        cast_fn = lambda p, x: fn(self._cast(p), x)
-        return self.param_gather.call(cast_fn, params, x, self.param_gather.infos_at(path), dtype, stacked)
+            return fn(params, x)
+        unit_fn = with_recompute(lambda p, x: fn(self._cast(p), x), self.config.recompute_granularity)
+        return self.param_gather.call(unit_fn, params, x, self.param_gather.infos_at(path),
+                                      self.config.compute_dtype, stacked, prefetched)
+
+    def _gather_ahead(self, params: Any, path: tuple[str, ...], stacked: int = 0) -> Any:
+        """A unit's parameters gathered ahead of its use (see :meth:`_run_unit`)."""
+        gather = self.param_gather
+        return gather.gather_ahead(params, gather.infos_at(path), self.config.compute_dtype, stacked)
+
+    def _run_dense_layers_fsdp(self, chunk_layers: Any, x: jax.Array, ctx: LayerContext,
+                               index: jax.Array) -> jax.Array:
+        """The chunk's dense layers under FSDP, as a scan whose iteration ``j`` issues the gather of
+        layer ``j + 1`` before running layer ``j`` on the copy gathered by iteration ``j - 1``
+        (double buffering: two layers' gathered parameters exist at a time, and the collective has
+        the whole layer's compute to overlap with). The last iteration gathers its own layer once
+        more when the loop is rolled (``--scan-layers``); unrolled, XLA drops that gather."""
+        n = self.layers_per_chunk
+        layer_at = lambda j: jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, j, keepdims=False), chunk_layers)
+
+        def body(carry, xs):
+            h, ahead = carry
+            params, layer_index, j = xs
+            upcoming = self._gather_ahead(layer_at(jnp.minimum(j + 1, n - 1)), ("layers",), stacked=2)
+            apply = lambda p, h: self.layer.apply({"params": p}, h, ctx.replace(layer_index=layer_index))
+            h = self._run_unit(apply, params, h, ("layers",), stacked=2, prefetched=ahead)
+            return (h, upcoming), None
+
+        first = self._gather_ahead(layer_at(0), ("layers",), stacked=2)
+        xs = (chunk_layers, index, jnp.arange(n))
+        return lax.scan(body, (x, first), xs, unroll=self.config.unroll_layers)[0][0]
 
     def _cast(self, tree: Any) -> Any:
         dtype = self.config.compute_dtype
@@ -220,12 +247,11 @@ class GPTModel:
         if self.param_gather is None:  # in the compute dtype once; FSDP units cast their gathered copy
             chunk_layers = self._cast(chunk_layers)
         if self.moe_layer is None:
-            def body(h, xs):
-                apply = lambda p, h: self.layer.apply({"params": p}, h, ctx.replace(layer_index=xs[1]))
-                return self._run_unit(apply, xs[0], h, ("layers",), stacked=2), None
-
-            body = with_recompute(body, self.config.recompute_granularity)
             index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
+            if self.param_gather is not None:
+                return self._run_dense_layers_fsdp(chunk_layers, x, ctx, index), {}
+            body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
+            body = with_recompute(body, self.config.recompute_granularity)
             return lax.scan(body, x, (chunk_layers, index), unroll=self.config.unroll_layers)[0], {}
         count = {"dense": 0, "moe": 0}
         auxes = []
@@ -239,11 +265,13 @@ class GPTModel:
                 bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
                 variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
 
-            def fn(p, h, c, layer=layer, v=variables, kind=kind):
-                apply = lambda p, h: layer.apply({"params": p, **v}, h, c)
-                return self._run_unit(apply, p, h, ("layers", kind), stacked=2)
-
-            fn = with_recompute(fn, self.config.recompute_granularity)
+            if self.param_gather is None:
+                fn = lambda p, h, c, layer=layer, v=variables: layer.apply({"params": p, **v}, h, c)
+                fn = with_recompute(fn, self.config.recompute_granularity)
+            else:
+                def fn(p, h, c, layer=layer, v=variables, kind=kind):
+                    apply = lambda p, h: layer.apply({"params": p, **v}, h, c)
+                    return self._run_unit(apply, p, h, ("layers", kind), stacked=2)
             out = fn(p, x, ctx.replace(layer_index=first_layer + j))
             if is_moe:
                 x, aux = out
