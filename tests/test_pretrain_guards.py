@@ -1,6 +1,7 @@
 """Loss-curve guards of ``launch/pretrain.py`` (one process, simulated devices):
 ``--check-for-nan-in-loss-and-grad`` names the parameters and ranks of a NaN gradient, and
-``--check-for-spiky-loss`` skips the update of a step whose loss jumps above the recent ones; a
+``--check-for-spiky-loss`` skips the update of a step whose loss jumps above the recent ones (also
+with Megatron-FSDP ``optim_grads_params``); a
 full disk stops the run with one line and keeps the previous checkpoint."""
 
 import subprocess
@@ -62,9 +63,13 @@ def test_full_disk_is_one_clear_error_and_the_previous_checkpoint_stays(tmp_path
         subprocess.run(["umount", "-l", str(disk)])
 
 
-def test_spiky_loss_skips_the_update_and_a_nan_gradient_is_named():
-    # One trainer with both checks (one compile): first a spike, then a NaN.
-    t = _trainer("--check-for-spiky-loss", "--spiky-loss-factor", "1.5", "--check-for-nan-in-loss-and-grad")
+@pytest.mark.parametrize("strategy", [(), ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                            "optim_grads_params")], ids=["ddp", "optim_grads_params"])
+def test_spiky_loss_skips_the_update_and_a_nan_gradient_is_named(strategy):
+    # One trainer with both checks (one compile): first a spike, then a NaN. Under ZeRO-3 the
+    # parameters are sharded over the two ranks; the checks see the same values.
+    t = _trainer("--check-for-spiky-loss", "--spiky-loss-factor", "1.5", "--check-for-nan-in-loss-and-grad",
+                 *strategy)
     losses = [t.step()["loss"] for _ in range(12)]
     kept = jax.tree.map(np.asarray, t.params)
     t.params = jax.tree.map(lambda x: x * 30.0 if x.ndim == 2 else x, t.params)  # logits blow up
