@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,10 +192,13 @@ def build_buffer_specs(
     for key, leaves in groups.items():
         numels = [int(np.prod(shapes[i])) for i in leaves]
         shared = [j for j, i in enumerate(leaves) if infos[i].shared_embedding]
+        # FSDP-sharded parameters are never flattened into their buckets by the fused step (their
+        # grads arrive reduced, leaf by leaf): the int32 cap on a bucket does not apply to them.
         layout = build_param_layout(
             numels, bucket_size=bucket_size, data_parallel_size=data_parallel_size,
             use_distributed_optimizer=use_distributed_optimizer, shared_embedding=shared,
             pad_buckets_for_high_nccl_busbw=pad_buckets_for_high_nccl_busbw,
+            max_bucket_elements=sys.maxsize if key.fsdp_sharded else None,
         )
         specs.append(BufferSpec(key, tuple(leaves), tuple(tuple(shapes[i]) for i in leaves), layout))
     return tuple(specs)
