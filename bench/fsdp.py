@@ -1,9 +1,9 @@
 """Megatron-FSDP's four sharding strategies: the compiled step's per-device memory, its time, and
 a memory plan for Llama-3-8B / 70B shapes, all on simulated CPU devices.
 
-    python bench/fsdp.py --out bench/results/fsdp.md   # everything (about 25 minutes on 2 cores)
+    python bench/fsdp.py --out bench/results/fsdp.md   # everything (about 30 minutes on 2 cores)
     python bench/fsdp.py --smoke                      # tiny shapes, every part once (tests/test_bench_fsdp.py)
-    python bench/fsdp.py --skip-planning --rounds 3   # parts 1, 2 and 4 only
+    python bench/fsdp.py --parts 1,2 --rounds 3       # parts 1 and 2 only
 
 The strategies (``DistributedDataParallelConfig(use_megatron_fsdp=True,
 data_parallel_sharding_strategy=...)``, built by ``core.megatron_fsdp.fully_shard``, fp32 grad
@@ -25,12 +25,14 @@ reduce-scattered right after its backward, shard-sized accumulators) and ``optim
 3. Planning (``--planning N``, a subprocess per device count, 8 and 64 simulated devices): the
    step of Llama-3-8B / 70B shapes (RMSNorm, SwiGLU, GQA with 8 KV groups, rope, untied, no bias,
    vocabulary 128256, ``--bf16 --scan-layers``; ``--sequence-parallel`` with tp) compiled on
-   abstract params / state / batch at micro-batch 1, for the layouts tp8 ``optim``, fsdp8, fsdp64
-   and tp8 x fsdp8, sequence 4096 / 8192, without and with recompute.
+   abstract params / state / batch at micro-batch 1, for the layouts tp8 ``optim`` (the distributed
+   optimizer, dp 1), fsdp8 (``optim_grads_params`` dp 8), fsdp64 (dp 64) and tp8 x fsdp8, sequence
+   4096 / 8192, without and with (full, some selective) recompute: 28 of the combinations
+   (:func:`_plan_rows`). "fits 80 GB": arguments + temporaries at most 70 GB (yes), 80 GB (marginal).
 4. Measured peak (``--measure-peak STRATEGY``, a subprocess): the host's resident-set peak during
    one real step of model 2 at dp 8 (``/proc/self/clear_refs`` resets VmHWM before the step)
-   against the sum over the 8 simulated devices of ``memory_analysis``'s temporaries: an
-   approximation of how well the analysis tracks what a step allocates.
+   against the sum over the 8 simulated devices of ``memory_analysis``'s temporaries and outputs not
+   aliased to inputs: an approximation of how well the analysis tracks what a step allocates.
 
 Memory on CPU is XLA:CPU's buffer assignment; XLA:GPU assigns buffers differently.
 """
@@ -75,7 +77,10 @@ LAYOUTS = {"tp8 optim": (8, 1, "optim"), "fsdp8": (1, 8, "optim_grads_params"),
 
 
 def _plan_rows(smoke: bool) -> list[dict]:
-    """The planning table's rows: a reduced cross product (each compile takes 20-40 s here)."""
+    """The planning table's rows, a reduced cross product (each compile takes 20-40 s on 2 cores):
+    Llama-3-8B at sequence 4096 and 8192 in every layout without and with full recompute, selective
+    recompute for fsdp8 only; Llama-3-70B at 4096 in every layout without and with full recompute,
+    at 8192 with full recompute for the 64-device layouts only."""
     def row(model, layout, seq, recompute):
         return {"model": model, "layout": layout, "seq": seq, "recompute": recompute}
 
@@ -97,7 +102,7 @@ def _args() -> argparse.Namespace:
                    help="elements per bucket of the bucketed variants (about one layer of the timed GPT)")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     p.add_argument("--smoke", action="store_true", help="tiny models, dp 1/2/8, one round, a tiny planning model")
-    p.add_argument("--skip-planning", action="store_true", help="leave out part 3")
+    p.add_argument("--parts", default="1,2,3,4", help="which parts to run (comma-separated; default all)")
     p.add_argument("--planning", type=int, default=None, help=argparse.SUPPRESS)  # subprocess: N devices
     p.add_argument("--rows", default=None, help=argparse.SUPPRESS)  # subprocess: JSON rows
     p.add_argument("--measure-peak", default=None, help=argparse.SUPPRESS)  # subprocess: strategy
@@ -382,19 +387,21 @@ def main() -> None:
     lines = [f"# Megatron-FSDP strategies: memory, step time, planning{' (smoke run)' if a.smoke else ''}", "",
              f"`{command}`; JAX {jax.__version__}, {DEVICES} simulated CPU devices (64 for the 64-device "
              "planning rows). Memory is XLA:CPU's `memory_analysis` of the compiled step (its buffer "
-             "assignment; XLA:GPU's will differ), per device.", "",
-             "## 1. Per-device memory by strategy and dp (abstract: nothing allocated)", ""]
-    lines += memory_table(memory_model, (1, 2, 8) if a.smoke else (1, 2, 4, 8))
-    lines += [f"## 2. Step time at dp {DEVICES} against `optim`", ""]
-    lines += timing_table(timing_model, rounds, None if a.smoke else a.bucket_size)
-    lines += ["## 3. Planning: Llama-3 shapes, micro-batch 1, abstract" if not a.smoke
-              else "## 3. Planning: tiny Llama-shaped model, micro-batch 1, abstract", ""]
-    if a.skip_planning:
-        lines += ["(skipped)", ""]
-    else:
+             "assignment; XLA:GPU's will differ), per device.", ""]
+    parts = {int(x) for x in a.parts.split(",")}
+    if 1 in parts:
+        lines += ["## 1. Per-device memory by strategy and dp (abstract: nothing allocated)", ""]
+        lines += memory_table(memory_model, (1, 2, 8) if a.smoke else (1, 2, 4, 8))
+    if 2 in parts:
+        lines += [f"## 2. Step time at dp {DEVICES} against `optim`", ""]
+        lines += timing_table(timing_model, rounds, None if a.smoke else a.bucket_size)
+    if 3 in parts:
+        lines += ["## 3. Planning: Llama-3 shapes, micro-batch 1, abstract" if not a.smoke
+                  else "## 3. Planning: tiny Llama-shaped model, micro-batch 1, abstract", ""]
         lines += planning_table(_plan_rows(a.smoke))[0]
-    lines += ["## 4. memory_analysis against a measured resident-set peak (approximation)", ""]
-    lines += peak_table(("optim_grads_params",) if a.smoke else ("optim", "optim_grads_params"))
+    if 4 in parts:
+        lines += ["## 4. memory_analysis against a measured resident-set peak (approximation)", ""]
+        lines += peak_table(("optim_grads_params",) if a.smoke else ("optim", "optim_grads_params"))
     lines += [f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
     print("\n".join(lines))
     if a.out:
