@@ -236,3 +236,15 @@ def test_module_without_unit_gathers_is_refused():
     ddp = DistributedDataParallel(ps.build_parallel_state(), config, nn.Dense(8))
     with pytest.raises(TypeError, match="needs a module that gathers its parameters unit by unit"):
         ddp.init(jax.random.key(0), jnp.ones((2, 8)))
+
+
+def test_logits_of_sharded_params_equal_one_device():
+    config = model_config(parse_args(MEMORY_MODEL))
+    state = ps.build_parallel_state()
+    model = GPTModel(config, state)
+    ddp = fully_shard_model(model, state=state)
+    params = ddp.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 255, (8, 32)), jnp.int32)
+    one = GPTModel(config, ps.build_parallel_state(devices=jax.devices()[:1]))
+    expected = one.global_logits(jax.tree.map(np.asarray, params), tokens)
+    np.testing.assert_allclose(model.global_logits(params, tokens), expected, rtol=1e-5, atol=1e-5)
