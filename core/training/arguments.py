@@ -116,10 +116,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         model_config(args).validate(tp, pp * (vpp or 1))
     except ValueError as e:
         raise model_error(e) from None
-    _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
-    _validate_megatron_fsdp(args)
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
+    _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
+    _validate_megatron_fsdp(args)
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
         raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
                             f"--profile-step-end {args.profile_step_end}")
