@@ -7,8 +7,8 @@ over data parallelism, each unit gathered right before use.
   the forward) equal one device (fp32: loss and grad norm rtol 1e-5, params rtol 1e-4 / atol 1e-5);
   bf16 (compute and gathers) equals one device's bf16 run within bf16's rounding (loss rtol 2e-3,
   grad norm 1e-2).
-* HSDP (``--num-distributed-optimizer-instances 2`` at dp 8: two instances of 4 contiguous ranks):
-  equals one device with the same tolerances; the parameters are split over the inner ``"dp"``
+* HSDP (``--num-distributed-optimizer-instances 2`` at dp 8: two instances of 4 contiguous ranks;
+  and MoE ep2 dp4): equals one device with the same tolerances; the parameters are split over the inner ``"dp"``
   axis only and replicated over the outer ``"dpo"`` one, whose slices are Megatron's intra-instance
   groups; an instance count that does not divide the data-parallel axis is refused.
 * What is sharded: every parameter the rule can split lives split over the data-parallel axes,
@@ -109,16 +109,21 @@ def test_bf16_matches_single_device_bf16(references):
 HSDP = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
 
 
-def test_hsdp_matches_single_device_and_shards_inside_an_instance(references):
-    trainer = layout_trainer(1, 1, jax.devices(), STEPS, ("--global-batch-size", "32", *HSDP, *ZERO3))
-    assert dict(trainer.state.mesh.shape)["dpo"] == 2 and dict(trainer.state.mesh.shape)["dp"] == 4
+@pytest.mark.parametrize("name", ["dp8", "ep2_dp4_moe"])
+def test_hsdp_matches_single_device_and_shards_inside_an_instance(name, references):
+    _, _, layout_flags, model_flags = LAYOUTS[name]
+    flags = ("--global-batch-size", "32", *layout_flags, *model_flags, *HSDP, *ZERO3)
+    trainer = layout_trainer(1, 1, jax.devices(), STEPS, flags)
+    assert dict(trainer.state.mesh.shape)["dpo"] == 2
     specs = {jax.tree_util.keystr(k): x.sharding.spec for k, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
     axes = {a for spec in specs.values() for a in jax.tree.leaves(tuple(spec))}
     assert "dp" in axes and "dpo" not in axes, specs  # split inside an instance, replicated across
-    assert specs["['embedding']['word_embeddings']['weight']"] == P(None, "dp")
+    if name == "dp8":  # the inner dp axis: 4 ranks of one instance
+        assert dict(trainer.state.mesh.shape)["dp"] == 4
+        assert specs["['embedding']['word_embeddings']['weight']"] == P(None, "dp")
     records = [trainer.step() for _ in range(STEPS)]
     actual = records, [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
-    assert_same_training(actual, references(()))
+    assert_same_training(actual, references(model_flags))
 
 
 def test_hsdp_outer_axis_slices_are_megatron_intra_instance_groups():
