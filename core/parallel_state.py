@@ -18,6 +18,12 @@ parallelism is therefore the axis tuple ``("dp", "ep")``; :func:`get_data_parall
 returns it. With cp > 1 an expert-parallel group stays inside one cp index, where Megatron's
 may span cp ranks (same results with dropless routing; :func:`_check_against_rank_generators`).
 
+Distributed-optimizer instances. With ``num_distributed_optimizer_instances`` = N > 1 (Megatron's
+argument of the same name) the ``"dp"`` axis is split in two: an outer axis ``"dpo"`` of size N,
+major, and ``"dp"`` of size dp / (ep x N). Megatron's intra-instance groups (contiguous blocks of
+the dp x cp group's ranks) are the slices along ``"dpo"``; every data-parallel axis tuple names
+``"dpo"`` wherever ``"dp"`` is meant, so the data-parallel groups are the same as with N = 1.
+
 Host vs traced ranks. The ``get_*_rank()`` functions are evaluated on the host and return
 this process's coordinate (of its first local device when a process holds several devices).
 Inside ``jax.shard_map`` every device runs the same program, so the rank there is a traced
@@ -26,7 +32,7 @@ value: use ``jax.lax.axis_index(get_tensor_model_parallel_axis_name())`` and fri
 Everything below is a thin facade over an immutable :class:`ParallelState`, so code and
 tests can build and pass a state explicitly (see :func:`build_parallel_state`).
 
-The module is long (about 600 lines) because it keeps Megatron's single ``parallel_state``
+The module is long (about 700 lines) because it keeps Megatron's single ``parallel_state``
 module: the rank generator, the state, and Megatron's thirty-odd getters users call by
 name, each a one-line facade; splitting them would scatter one API over several imports.
 """
@@ -48,6 +54,9 @@ TP_AXIS = "tp"
 CP_AXIS = "cp"
 EP_AXIS = "ep"
 DP_AXIS = "dp"
+DPO_AXIS = "dpo"
+"""Outer data-parallel axis of ``num_distributed_optimizer_instances`` > 1 (HSDP): it numbers the
+instances, each a contiguous block of the dp x cp group, and sits right before (major to) ``"dp"``."""
 PP_AXIS = "pp"
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 _TOKENS = (TP_AXIS, CP_AXIS, EP_AXIS, DP_AXIS, PP_AXIS)
@@ -134,7 +143,8 @@ class ParallelState:
     """
 
     mesh: Mesh
-    """The global device mesh; axis names are ``"pp", "dp", "ep", "cp", "tp"`` in the order's reverse."""
+    """The global device mesh; axis names are ``"pp", "dp", "ep", "cp", "tp"`` in the order's reverse
+    (with ``"dpo"`` right before ``"dp"`` when ``num_distributed_optimizer_instances`` > 1)."""
     tensor_model_parallel_size: int
     """Number of tensor-parallel ranks (mesh axis ``"tp"``)."""
     pipeline_model_parallel_size: int
@@ -151,6 +161,10 @@ class ParallelState:
     """Megatron order string, fastest-varying dimension first."""
     device_ranks: np.ndarray = dataclasses.field(repr=False, compare=False)
     """Global rank of each mesh position, same shape as ``mesh.devices``."""
+    num_distributed_optimizer_instances: int = 1
+    """Number of distributed-optimizer instances (Megatron's argument): > 1 splits the data-parallel
+    axis into the outer axis ``"dpo"`` (one index per instance) and the inner ``"dp"``; Megatron-FSDP
+    ``optim_grads_params`` shards parameters inside an instance and replicates them across (HSDP)."""
 
     # -- sizes and names ------------------------------------------------------------------
     @property
@@ -161,7 +175,7 @@ class ParallelState:
     @property
     def expert_data_parallel_size(self) -> int:
         """Expert-data-parallel size without cp: data_parallel_size / expert_model_parallel_size
-        (the mesh axis ``"dp"``; Megatron's group, times cp, is :meth:`replica_size` ``(expert=True)``)."""
+        (the mesh axes ``"dpo"``, ``"dp"``; Megatron's group, times cp, is :meth:`replica_size` ``(expert=True)``)."""
         return self.data_parallel_size // self.expert_model_parallel_size
 
     def axis_names(self, *tokens: str) -> tuple[str, ...]:
@@ -174,18 +188,25 @@ class ParallelState:
 
     @property
     def data_parallel_axis_name(self) -> tuple[str, ...]:
-        """Axis names of the dense data-parallel group (``("dp", "ep")`` in mesh order)."""
-        return self.axis_names(DP_AXIS, EP_AXIS)
+        """Axis names of the dense data-parallel group (``("dp", "ep")`` in mesh order, ``("dpo", "dp",
+        "ep")`` with several distributed-optimizer instances)."""
+        return self.axis_names(DPO_AXIS, DP_AXIS, EP_AXIS)
 
     @property
     def data_parallel_with_context_axis_name(self) -> tuple[str, ...]:
         """Axis names of the data-parallel x context-parallel group."""
-        return self.axis_names(DP_AXIS, EP_AXIS, CP_AXIS)
+        return self.axis_names(DPO_AXIS, DP_AXIS, EP_AXIS, CP_AXIS)
 
     @property
     def expert_data_parallel_with_context_axis_name(self) -> tuple[str, ...]:
         """Axis names of the expert-data-parallel group: dp / ep x cp (Megatron's includes cp)."""
-        return self.axis_names(DP_AXIS, CP_AXIS)
+        return self.axis_names(DPO_AXIS, DP_AXIS, CP_AXIS)
+
+    @property
+    def data_parallel_outer_axis_name(self) -> tuple[str, ...]:
+        """The outer data-parallel axis, one index per distributed-optimizer instance: ``("dpo",)``
+        when ``num_distributed_optimizer_instances`` > 1, else ``()``."""
+        return self.axis_names(DPO_AXIS)
 
     def replica_axes(self, expert: bool) -> tuple[str, ...]:
         """Axes along which a parameter has copies: its grads are reduced (and its distributed-
@@ -315,7 +336,8 @@ def _check_against_rank_generators(state: ParallelState) -> None:
         ("dense", "dp"): (dense, s.data_parallel_axis_name),
         ("dense", "dp-cp"): (dense, s.data_parallel_with_context_axis_name),
     }
-    checks.update(_expert_checks(s))
+    expert = _expert_checks(s)
+    checks.update(expert)
     for (kind, token), (gen, axes) in checks.items():
         want = sorted(gen.get_ranks(token))
         got = sorted(s.groups(s.axis_names(*axes)))
@@ -326,6 +348,22 @@ def _check_against_rank_generators(state: ParallelState) -> None:
                 f"pp={s.pipeline_model_parallel_size} cannot be expressed as one mesh: Megatron's "
                 f"{kind} {token} groups differ. Put 'ep' directly before 'dp' in the order."
             )
+    n = s.num_distributed_optimizer_instances
+    if n == 1:
+        return
+    # Megatron's intra-instance groups: contiguous blocks ranks[i*g:(i+1)*g] of each dp-cp group.
+    data_groups = {("dense", "dp-cp"): checks[("dense", "dp-cp")]}
+    data_groups.update({key: check for key, check in expert.items() if key[1] in ("dp", "dp-cp")})
+    for (kind, token), (gen, axes) in data_groups.items():
+        g = len(gen.get_ranks(token)[0]) // n
+        want = sorted(group[i * g:(i + 1) * g] for group in gen.get_ranks(token) for i in range(n))
+        got = sorted(s.groups(tuple(a for a in s.axis_names(*axes) if a != DPO_AXIS)))
+        if want != got:
+            raise ValueError(
+                f"order {s.order!r} with dp={s.data_parallel_size}, cp={s.context_parallel_size}, "
+                f"ep={s.expert_model_parallel_size}: Megatron's {kind} intra-instance groups of "
+                f"num_distributed_optimizer_instances={n} (contiguous blocks of the {token} group) are not slices "
+                "of the mesh's outer data-parallel axis; put 'dp' after 'cp' in the order.")
 
 
 def _expert_checks(s: ParallelState) -> dict[tuple[str, str], tuple[RankGenerator, tuple[str, ...]]]:
@@ -337,11 +375,11 @@ def _expert_checks(s: ParallelState) -> dict[tuple[str, str], tuple[RankGenerato
     if cp > 1 and ep > 1:
         split = RankGenerator(tp, ep, s.expert_data_parallel_size, pp, cp, s.order)
         return {("expert", "ep"): (split, (EP_AXIS,)), ("expert", "pp"): (split, (PP_AXIS,)),
-                ("expert", "dp-cp"): (split, (DP_AXIS, CP_AXIS))}
+                ("expert", "dp-cp"): (split, (DPO_AXIS, DP_AXIS, CP_AXIS))}
     expert = RankGenerator(tp, ep, s.expert_data_parallel_size * cp, pp, 1, s.order)
     checks = {("expert", "ep"): (expert, (EP_AXIS,)), ("expert", "pp"): (expert, (PP_AXIS,))}
     if cp == 1:
-        checks[("expert", "dp")] = (expert, (DP_AXIS,))
+        checks[("expert", "dp")] = (expert, (DPO_AXIS, DP_AXIS))
     return checks
 
 
@@ -354,6 +392,7 @@ def build_parallel_state(
     order: str = DEFAULT_ORDER,
     devices: Sequence[jax.Device] | None = None,
     host_of: Callable[[jax.Device], Hashable] | None = None,
+    num_distributed_optimizer_instances: int = 1,
 ) -> ParallelState:
     """Build a :class:`ParallelState` over ``devices`` (default: all global devices).
 
@@ -362,6 +401,9 @@ def build_parallel_state(
     divides a host's device count; a warning names the numbers when they cannot. With one host,
     or hosts whose processes are numbered consecutively (the launchers' default), rank ``r`` is
     the ``r``-th device by (process, id).
+
+    ``num_distributed_optimizer_instances`` = N > 1 adds the outer data-parallel axis ``"dpo"`` of
+    size N right before ``"dp"`` (which keeps dp / (ep x N)); N must divide dp / ep.
 
     Pure with respect to module state: nothing is stored. Raises ``RuntimeError`` or
     ``ValueError`` naming the offending numbers; the checks depend only on the arguments
@@ -372,14 +414,23 @@ def build_parallel_state(
     tp, pp, vpp = tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size
     cp, ep = context_parallel_size, expert_model_parallel_size
     dp = _validate_sizes(len(devs), tp, pp, vpp, cp, ep)
+    n = num_distributed_optimizer_instances
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"num_distributed_optimizer_instances must be a positive int, got {n!r}")
+    if (dp // ep) % n:
+        raise ValueError(f"num_distributed_optimizer_instances={n} does not divide the data-parallel axis: "
+                         f"data_parallel_size {dp} / expert_model_parallel_size {ep} = {dp // ep}")
     gen = RankGenerator(tp, ep, dp // ep, pp, cp, order)  # raises for an order missing an axis
     tokens = gen.order.split("-")
-    axis_size = {TP_AXIS: tp, CP_AXIS: cp, EP_AXIS: ep, DP_AXIS: dp // ep, PP_AXIS: pp}
+    axis_size = {TP_AXIS: tp, CP_AXIS: cp, EP_AXIS: ep, DP_AXIS: dp // ep // n, PP_AXIS: pp, DPO_AXIS: n}
     mesh_axes = tuple(tokens[::-1])
+    if n > 1:  # the instances' axis, major to what stays of dp
+        at = mesh_axes.index(DP_AXIS)
+        mesh_axes = mesh_axes[:at] + (DPO_AXIS,) + mesh_axes[at:]
     shape = tuple(axis_size[a] for a in mesh_axes)
     ranks = np.arange(len(devs)).reshape(shape)
     mesh = Mesh(np.array(devs, dtype=object)[ranks], mesh_axes)
-    state = ParallelState(mesh, tp, pp, vpp, cp, ep, dp, gen.order, ranks)
+    state = ParallelState(mesh, tp, pp, vpp, cp, ep, dp, gen.order, ranks, num_distributed_optimizer_instances=n)
     _check_against_rank_generators(state)
     _warn_if_tp_spans_hosts(state, devs, host_of)
     return state
@@ -399,6 +450,7 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     order: str = DEFAULT_ORDER,
+    num_distributed_optimizer_instances: int = 1,
 ) -> ParallelState:
     """Megatron's ``initialize_model_parallel``: build the global mesh and make it the default.
 
@@ -416,6 +468,7 @@ def initialize_model_parallel(
     _STATE = build_parallel_state(
         tensor_model_parallel_size, pipeline_model_parallel_size, virtual_pipeline_model_parallel_size,
         context_parallel_size, expert_model_parallel_size, order,
+        num_distributed_optimizer_instances=num_distributed_optimizer_instances,
     )
     return _STATE
 
@@ -551,7 +604,7 @@ def get_expert_data_parallel_world_size() -> int:
 
 def get_expert_data_parallel_rank() -> int:
     """This process's expert-data-parallel rank (host value)."""
-    return _size_rank((DP_AXIS, CP_AXIS))[1]
+    return _size_rank((DPO_AXIS, DP_AXIS, CP_AXIS))[1]
 
 
 def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:

@@ -183,7 +183,8 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
     state = ps.initialize_model_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                                          layout.virtual_pipeline_model_parallel_size,
                                          context_parallel_size=layout.context_parallel_size,
-                                         expert_model_parallel_size=layout.expert_model_parallel_size)
+                                         expert_model_parallel_size=layout.expert_model_parallel_size,
+                                         num_distributed_optimizer_instances=layout.num_distributed_optimizer_instances)
     release_cpu_affinity()  # the backend has sized its thread pool
     trainer = progress.trainer = Pretrainer(pretrain_config(args), layout, state)
     resumed = bool(args.load) and trainer.load(args.load, load_optimizer=not args.no_load_optim,

@@ -33,7 +33,8 @@ def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
     layout = validate_args(args, len(devices))
     state = ps.build_parallel_state(tp, pp, layout.virtual_pipeline_model_parallel_size,
                                     context_parallel_size=layout.context_parallel_size,
-                                    expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices)
+                                    expert_model_parallel_size=layout.expert_model_parallel_size, devices=devices,
+                                    num_distributed_optimizer_instances=layout.num_distributed_optimizer_instances)
     return Pretrainer(pretrain_config(args), layout, state)
 
 

@@ -7,6 +7,10 @@ over data parallelism, each unit gathered right before use.
   the forward) equal one device (fp32: loss and grad norm rtol 1e-5, params rtol 1e-4 / atol 1e-5);
   bf16 (compute and gathers) equals one device's bf16 run within bf16's rounding (loss rtol 2e-3,
   grad norm 1e-2).
+* HSDP (``--num-distributed-optimizer-instances 2`` at dp 8: two instances of 4 contiguous ranks;
+  and MoE ep2 dp4): equals one device with the same tolerances; the parameters are split over the inner ``"dp"``
+  axis only and replicated over the outer ``"dpo"`` one, whose slices are Megatron's intra-instance
+  groups; an instance count that does not divide the data-parallel axis is refused.
 * What is sharded: every parameter the rule can split lives split over the data-parallel axes,
   its optimizer state too; the compiled step's arguments are at most 1.1 x (params + Adam state)
   / 8 per device, its temporaries are below the ``optim`` strategy's by more than a copy of the
@@ -100,6 +104,53 @@ def test_bf16_matches_single_device_bf16(references):
     # 3e-3) while the mean difference stays below half a step (measured 7e-4).
     assert_same_training(actual, references(("--bf16",)), loss_rtol=2e-3, norm_rtol=1e-2, params_rtol=0,
                          params_atol=1e-2, params_mean_atol=1.5e-3)
+
+
+HSDP = ("--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2")
+
+
+@pytest.mark.parametrize("name", ["dp8", "ep2_dp4_moe"])
+def test_hsdp_matches_single_device_and_shards_inside_an_instance(name, references):
+    _, _, layout_flags, model_flags = LAYOUTS[name]
+    flags = ("--global-batch-size", "32", *layout_flags, *model_flags, *HSDP, *ZERO3)
+    trainer = layout_trainer(1, 1, jax.devices(), STEPS, flags)
+    assert dict(trainer.state.mesh.shape)["dpo"] == 2
+    specs = {jax.tree_util.keystr(k): x.sharding.spec for k, x in jax.tree_util.tree_flatten_with_path(trainer.params)[0]}
+    axes = {a for spec in specs.values() for a in jax.tree.leaves(tuple(spec))}
+    assert "dp" in axes and "dpo" not in axes, specs  # split inside an instance, replicated across
+    if name == "dp8":  # the inner dp axis: 4 ranks of one instance
+        assert dict(trainer.state.mesh.shape)["dp"] == 4
+        assert specs["['embedding']['word_embeddings']['weight']"] == P(None, "dp")
+    records = [trainer.step() for _ in range(STEPS)]
+    actual = records, [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
+    assert_same_training(actual, references(model_flags))
+
+
+def test_hsdp_outer_axis_slices_are_megatron_intra_instance_groups():
+    state = ps.build_parallel_state(devices=jax.devices(), num_distributed_optimizer_instances=2)
+    assert state.mesh.axis_names == ("pp", "dpo", "dp", "ep", "cp", "tp")
+    assert state.data_parallel_outer_axis_name == ("dpo",)
+    assert state.data_parallel_axis_name == ("dpo", "dp", "ep") and state.replica_size(expert=False) == 8
+    # Megatron's dp-cp group [0..7] in two instances of contiguous ranks; the instances' copies of a
+    # shard (the inter groups ranks[j::4]) lie along the outer axis.
+    assert sorted(state.groups(("dp", "ep", "cp"))) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert sorted(state.groups(("dpo",))) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert ps.build_parallel_state(devices=jax.devices()).data_parallel_outer_axis_name == ()
+    with pytest.raises(ValueError, match=r"instances=3 does not divide the data-parallel axis: data_parallel_size 8"):
+        ps.build_parallel_state(devices=jax.devices(), num_distributed_optimizer_instances=3)
+    with pytest.raises(ValueError, match=r"data_parallel_size 8 / expert_model_parallel_size 4 = 2"):
+        ps.build_parallel_state(expert_model_parallel_size=4, devices=jax.devices(),
+                                num_distributed_optimizer_instances=4)
+
+
+def test_hsdp_needs_a_parallel_state_with_the_same_instances():
+    from core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                                           num_distributed_optimizer_instances=2)
+    model = GPTModel(model_config(parse_args(MEMORY_MODEL)), ps.build_parallel_state())
+    with pytest.raises(ValueError, match="instances=2 needs a parallel state built with the same number, got 1"):
+        DistributedDataParallel(ps.build_parallel_state(), config, model)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,8 +158,6 @@ def test_config_properties_and_defaults():
 @pytest.mark.parametrize("kwargs, message", [
     ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "zero2"}, "must be one of no_shard, optim"),
     ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
-      "use_distributed_optimizer": True, "num_distributed_optimizer_instances": 2}, "(HSDP) is not implemented"),
-    ({"use_megatron_fsdp": True, "data_parallel_sharding_strategy": "optim_grads_params",
       "check_for_large_grads": True}, "never holds"),
     ({"data_parallel_sharding_strategy": "optim_grads"}, "needs use_megatron_fsdp=True"),
     ({"use_megatron_fsdp": True, "use_distributed_optimizer": True}, "contradicts data_parallel_sharding_strategy"),
@@ -174,6 +172,18 @@ def test_config_refuses(kwargs, message):
 
 ONE_MODEL_PARALLEL = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
                       "--micro-batch-size", "2"]
+
+
+def test_hsdp_config_and_flags_are_accepted():
+    config = DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                                           use_distributed_optimizer=True, num_distributed_optimizer_instances=2)
+    assert config.shards_params and not config.shards_optimizer_state
+    args = parse_args(["--use-megatron-fsdp", "--use-distributed-optimizer", "--num-distributed-optimizer-instances",
+                       "2", *ONE_MODEL_PARALLEL])
+    assert validate_args(args, 8).num_distributed_optimizer_instances == 2  # the mesh gets the outer axis
+    args = parse_args(["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--use-distributed-optimizer",
+                       "--num-distributed-optimizer-instances", "2", *ONE_MODEL_PARALLEL])
+    assert validate_args(args, 8).num_distributed_optimizer_instances == 1  # sub-group collectives on today's mesh
 
 
 def test_flags_map_onto_the_ddp_config():
@@ -191,8 +201,10 @@ def test_flags_map_onto_the_ddp_config():
 @pytest.mark.parametrize("flags, message", [
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero2"],
      "--data-parallel-sharding-strategy must be one of"),
-    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
-     "num-distributed-optimizer-instances=2 (HSDP) is not implemented with data-parallel-sharding-strategy="),
+    (["--use-megatron-fsdp", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "8",
+      "--context-parallel-size", "2"],
+     "data-parallel size / expert-model-parallel-size = 4 (the data-parallel mesh axis HSDP splits into instances) "
+     "is not divisible by --num-distributed-optimizer-instances 8"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim", "--no-fsdp-reshard-after-forward"],
      "--no-fsdp-reshard-after-forward needs --use-megatron-fsdp"),
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard", "--use-distributed-optimizer"],

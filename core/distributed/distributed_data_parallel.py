@@ -102,6 +102,10 @@ class DistributedDataParallel:
     ):
         self.state = config if config is not None else parallel_state.get_parallel_state()
         self.ddp_config = ddp_config
+        n, built = ddp_config.num_distributed_optimizer_instances, self.state.num_distributed_optimizer_instances
+        if ddp_config.shards_params and n != built:  # HSDP shards inside the mesh's instances
+            raise ValueError(f"data_parallel_sharding_strategy='optim_grads_params' with num_distributed_optimizer_"
+                             f"instances={n} needs a parallel state built with the same number, got {built}")
         self.module = module
         self.disable_bucketing = disable_bucketing
         self.finalize_model_grads_func: Callable | None = None

@@ -51,7 +51,10 @@ class DistributedDataParallelConfig:
     many instances of contiguous ranks; optimizer state is sharded over the ranks of one instance
     (reduce-scatter and param all-gather inside it) and replicated across instances (the shards are
     all-reduced over the ranks holding the same shard). 1: shard over all of data parallelism.
-    Needs ``use_distributed_optimizer``; dp x cp (and the expert-data-parallel size) must divide by it."""
+    Needs ``use_distributed_optimizer``; dp x cp (and the expert-data-parallel size) must divide by it.
+    With ``optim_grads_params`` (HSDP) the parameters are sharded inside an instance and replicated
+    across; the :class:`~core.parallel_state.ParallelState` must be built with the same number (its
+    outer data-parallel axis ``"dpo"``)."""
     check_for_nan_in_grad: bool = False
     """Skip the update when any rank's grads hold a NaN/Inf (seen in the global grad norm, the same on
     every rank) and report the params and ranks whose local grads had them (``check_nonfinite``)."""
@@ -132,10 +135,6 @@ class DistributedDataParallelConfig:
         if strategy in ("optim_grads", "optim_grads_params") and self.check_for_large_grads:
             raise ValueError("check_for_large_grads checks the local grads accumulated over the step, which "
                              f"data_parallel_sharding_strategy={strategy!r} never holds; use 'optim'")
-        if strategy == "optim_grads_params" and self.num_distributed_optimizer_instances > 1:
-            raise ValueError(f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances} "
-                             "(HSDP) is not implemented with data_parallel_sharding_strategy='optim_grads_params'; "
-                             "use 'optim' or 'optim_grads' for a partial distributed optimizer")
 
     def __post_init__(self) -> None:
         self._check_megatron_fsdp()

@@ -24,7 +24,9 @@ depends only on its own gradients:
   (:func:`core.distributed.collectives.reduce_scatter_with_fp32_accumulation`);
 * parameters sharded over data parallelism (Megatron-FSDP ``optim_grads_params``, buffers whose
   key says ``fsdp_sharded``): no collective here, the model's per-unit gathers reduce-scattered
-  their grads already (:mod:`core.distributed.fsdp`); they are only scaled.
+  their grads already (:mod:`core.distributed.fsdp`); they are only scaled. With HSDP (the
+  parallel state's outer data-parallel axis, one index per distributed-optimizer instance) those
+  reduce-scatters summed inside the instance, and a ``psum`` over the outer axis adds the instances.
 
 Scaling (see ``finalize_model_grads`` for the whole loss-normalisation contract): grads are
 pre-multiplied by ``1/(dp*cp)`` and summed, or, with ``average_in_collective``, averaged in
@@ -190,10 +192,15 @@ def reduce_gradients(
         axes = reduction_axes(spec, state)
         group, scale, average = _scaling(spec, ddp_config, state, per_token_loss)
         dtype = jnp.dtype(spec.key.grad_dtype)
-        if spec.key.fsdp_sharded:  # summed over the group by the gathers' reduce-scatters already
+        if spec.key.fsdp_sharded:  # summed over the leaf's fsdp axes by the gathers' reduce-scatters already
             scale = scale / group if average else scale
-            for i in spec.leaves:
-                out[i] = _prescale(out[i].astype(dtype), scale)
+            grads = {i: _prescale(out[i].astype(dtype), scale) for i in spec.leaves}
+            # HSDP: the gathers reduce-scattered inside an instance; add the instances' sums.
+            outer = tuple(a for a in state.data_parallel_outer_axis_name if a in axes and state.mesh.shape[a] > 1)
+            if outer and grads:
+                grads = lax.psum(grads, outer)
+            for i, g in grads.items():
+                out[i] = g
             continue
         for b in range(len(spec.layout.bucket_indices)):
             members = [spec.leaves[j] for j in spec.layout.bucket_params(b)]

@@ -477,10 +477,14 @@ class DistributedOptimizer:
     def _norm_axes(self, spec: BufferSpec) -> tuple[str, ...]:
         """Mesh axes a buffer's squared-norm contributions are summed over: every axis when
         distributed or sharded over data parallelism (each rank counts its shard); without the ones
-        it is reduced over when replicated (every rank of the group counts its own identical copy)."""
+        it is reduced over when replicated (every rank of the group counts its own identical copy).
+        An FSDP-sharded buffer under HSDP is replicated over the outer data-parallel axis (one copy per
+        distributed-optimizer instance): summed over every axis but that one."""
         axes = tuple(self.state.mesh.axis_names)
-        if self.sharded or spec.key.fsdp_sharded:  # every rank holds its own shard
+        if self.sharded:  # every rank holds its own shard
             return axes
+        if spec.key.fsdp_sharded:  # every rank of an instance holds its own shard
+            return tuple(a for a in axes if a not in self.state.data_parallel_outer_axis_name)
         replicated_over = reduction_axes(spec, self.state)
         return tuple(a for a in axes if a not in replicated_over)
 

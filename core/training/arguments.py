@@ -50,6 +50,10 @@ class ParallelLayout:
     """cp: ranks sharing every sample's sequence."""
     expert_model_parallel_size: int = 1
     """ep: experts split over this many of the data-parallel ranks (dp includes them)."""
+    num_distributed_optimizer_instances: int = 1
+    """The instances the mesh is built with (``build_parallel_state``'s argument): the flag's under
+    ``--data-parallel-sharding-strategy optim_grads_params`` (HSDP: the outer data-parallel axis),
+    else 1 (the partial distributed optimizer of the other strategies uses sub-group collectives)."""
 
     def describe(self) -> str:
         """``tp=2 pp=2 dp=2`` (+ vpp, + cp, + ep when above 1)."""
@@ -118,7 +122,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise model_error(e) from None
     if not args.spiky_loss_factor > 1.0:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
-    _validate_optimizer_instances(args, dp * cp, dp * cp // ep)
+    _validate_optimizer_instances(args, dp * cp, dp * cp // ep, dp // ep)
     _validate_megatron_fsdp(args)
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
         raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
@@ -135,7 +139,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         if getattr(args, flag) not in (None, False) and args.load is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --load DIR")
     validate_data_args(args)
-    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep)
+    hsdp = args.num_distributed_optimizer_instances if sharding_strategy(args) == "optim_grads_params" else 1
+    return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep, hsdp)
 
 
 def sharding_strategy(args: argparse.Namespace) -> str:
@@ -181,9 +186,11 @@ def _validate_megatron_fsdp(args: argparse.Namespace) -> None:
         raise model_error(e) from None
 
 
-def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, expert_data_parallel: int) -> None:
+def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, expert_data_parallel: int,
+                                  data_axis: int) -> None:
     """``--num-distributed-optimizer-instances``: >= 1, more than one only with the distributed
-    optimizer, dividing the data-parallel x context-parallel size and the experts' share of it."""
+    optimizer, dividing the data-parallel x context-parallel size and the experts' share of it (and,
+    under ``optim_grads_params``, ``data_axis`` = dp / ep, the mesh axis split into instances)."""
     n, flag = args.num_distributed_optimizer_instances, "--num-distributed-optimizer-instances"
     if n < 1:
         raise ArgumentError(f"{flag} must be >= 1, got {n}")
@@ -193,6 +200,9 @@ def _validate_optimizer_instances(args: argparse.Namespace, data_parallel: int, 
                        ("expert data-parallel x context-parallel size", expert_data_parallel)):
         if size % n:
             raise ArgumentError(f"{what} {size} is not divisible by {flag} {n}")
+    if n > 1 and sharding_strategy(args) == "optim_grads_params" and data_axis % n:
+        raise ArgumentError(f"data-parallel size / expert-model-parallel-size = {data_axis} (the data-parallel mesh "
+                            f"axis HSDP splits into instances) is not divisible by {flag} {n}")
 
 
 MOE_FLAGS = ("moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_score_function",

@@ -15,6 +15,10 @@ The first such dimension, not the last, so each layer's gather concatenates cont
 (an all-gather along a leading dimension needs no transpose). A parameter without one (a
 bias split over tp, a dimension the group does not divide) stays whole on every data-parallel
 rank and is reduced by the bucketed all-reduce, as with ``no_shard``.
+
+HSDP (``num_distributed_optimizer_instances`` = N > 1): the split is over those axes minus the outer
+data-parallel axis ``"dpo"`` (:attr:`~core.parallel_state.ParallelState.data_parallel_outer_axis_name`),
+i.e. inside one distributed-optimizer instance; the N instances hold copies of the shards.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def shard_over_data_parallel(info: ParamInfo, local_shape: tuple[int, ...], stat
     """``info`` with the FSDP split of the module docstring's rule (``fsdp_dim``, ``fsdp_axes`` and
     the partition spec naming them), or unchanged when the parameter has no such dimension.
     ``local_shape``: the parameter's shape on one device before the split (model-parallel local)."""
-    axes = tuple(a for a in state.replica_axes(info.expert) if state.mesh.shape[a] > 1)
+    outer = state.data_parallel_outer_axis_name  # HSDP: replicated across instances
+    axes = tuple(a for a in state.replica_axes(info.expert) if state.mesh.shape[a] > 1 and a not in outer)
     size = 1
     for a in axes:
         size *= state.mesh.shape[a]
