@@ -1,6 +1,7 @@
 """Megatron-FSDP's sharding strategies (``--use-megatron-fsdp --data-parallel-sharding-strategy``):
 ``no_shard``, ``optim`` and ``optim_grads`` train the GPT as one device does (loss, grad norm and
-params after 3 steps, fp32: rtol 1e-5 on loss and grad norm, params within rtol 1e-4 / atol 1e-5),
+params after 3 steps, fp32: rtol 1e-5 on loss and grad norm, params within rtol 1e-4 / atol 1e-5;
+``optim_grads`` also at cp2 dp4, MoE ep2 dp4 and with two distributed-optimizer instances),
 ``optim_grads`` equals ``optim`` (grad norm rtol 1e-6, params rtol 1e-5 / atol 1e-6), ``optim`` is exactly
 the distributed optimizer, ``optim_grads`` keeps no full-size gradient
 accumulator across microbatches, and bad values are refused in one line."""
@@ -215,3 +216,23 @@ def test_flags_refuse_in_one_line(flags, message):
     with pytest.raises(ArgumentError) as error:
         validate_args(args, 8)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# optim_grads in the other layouts (each against one device; optim_grads_params's are in
+# tests/test_fsdp_params.py): (tp, layout-only flags, model flags).
+MORE_LAYOUTS = {
+    "cp2_dp4": (1, ("--context-parallel-size", "2"), ()),
+    "ep2_dp4_moe": (1, ("--expert-model-parallel-size", "2"), ("--num-experts", "4", "--moe-router-topk", "2")),
+    "partial_instances_2x4": (1, ("--num-distributed-optimizer-instances", "2"), ()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_LAYOUTS))
+def test_optim_grads_in_more_layouts_matches_single_device(name):
+    tp, layout_flags, model_flags = MORE_LAYOUTS[name]
+    flags = ("--global-batch-size", "32", *model_flags)
+    records, params = run(tp, jax.devices(), flags + layout_flags + fsdp_flags("optim_grads"))
+    ref_records, ref_params = run(1, [jax.local_devices()[0]], flags)
+    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in ref_records], rtol=1e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in records], [r["grad_norm"] for r in ref_records], rtol=1e-5)
+    assert_params_close(params, ref_params, rtol=1e-4, atol=1e-5)
