@@ -194,7 +194,7 @@ def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, ar
         prepare(infos)
 
     def init(*a):
-        cut = lambda x, info, shape: _keep_fsdp_block(x, info) if x.shape == shape else x
+        cut = lambda x, info, shape: keep_fsdp_block(x, info) if x.shape == shape else x
         return jax.tree.map(cut, unbox(init_fn(*a)), infos, whole, is_leaf=lambda x: isinstance(x, tuple))
 
     program = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=tuple(in_specs), out_specs=specs, check_vma=False))
@@ -204,9 +204,12 @@ def init_sharded_params(init_fn: Callable[..., Any], mesh: jax.sharding.Mesh, ar
     return jax.tree.map(place, jax.eval_shape(program, *args), specs), specs, infos
 
 
-def _keep_fsdp_block(x: jax.Array, info: ParamInfo) -> jax.Array:
-    """This rank's block of a whole (model-parallel-local) parameter along its FSDP dimension."""
+def keep_fsdp_block(x: jax.Array, info: ParamInfo, stacked: int = 0) -> jax.Array:
+    """Inside ``shard_map``: this rank's block of a whole (model-parallel-local) parameter along its
+    FSDP dimension (``x`` without the parameter's first ``stacked`` dimensions, e.g. one layer of
+    a ``[vpp, L, ...]`` stack: 2); ``x`` itself when the parameter is not FSDP-sharded."""
     if not info.fsdp_sharded:
         return x
-    size = x.shape[info.fsdp_dim] // jax.lax.axis_size(info.fsdp_axes)
-    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(info.fsdp_axes) * size, size, info.fsdp_dim)
+    dim = info.fsdp_dim - stacked
+    size = x.shape[dim] // jax.lax.axis_size(info.fsdp_axes)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(info.fsdp_axes) * size, size, dim)

@@ -28,6 +28,13 @@ from core import parallel_state
 from core.distributed.collectives import all_gather, all_reduce, group_size, reduce_scatter
 
 
+def first_unstacked_dim(spec: P) -> int:
+    """The first dimension of a parameter split by ``spec`` after its stacked-layer ones (those up to
+    the one split over ``"pp"``: ``[vpp, L/vpp, ...]``; 0 for a parameter that is not stacked)."""
+    names = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
+    return 1 + max((d for d, entry in enumerate(names) if parallel_state.PP_AXIS in entry), default=-1)
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageSplit:
     """The split of one leaf over data-parallel axes (the default: none, the leaf stays whole)."""
@@ -51,8 +58,7 @@ class StorageSplit:
         axes = tuple(a for a in state.data_parallel_with_context_axis_name if a not in used and state.mesh.shape[a] > 1)
         size = int(np.prod([state.mesh.shape[a] for a in axes], dtype=int))
         entries = list(spec) + [None] * (len(shape) - len(spec))
-        first = 1 + max((d for d, entry in enumerate(names) if parallel_state.PP_AXIS in entry), default=-1)
-        for dim in reversed(range(first, len(shape)) if size > 1 else ()):
+        for dim in reversed(range(first_unstacked_dim(spec), len(shape)) if size > 1 else ()):
             if entries[dim] is None and shape[dim] % size == 0:
                 entries[dim] = axes if len(axes) > 1 else axes[0]
                 return StorageSplit(P(*entries), dim, axes)

@@ -27,18 +27,9 @@ import dataclasses
 
 from jax.sharding import PartitionSpec as P
 
-from core.parallel_state import PP_AXIS, ParallelState
+from core.distributed.storage_split import first_unstacked_dim
+from core.parallel_state import ParallelState
 from core.param_metadata import ParamInfo
-
-
-def _entries(spec: P, ndim: int) -> list:
-    return list(spec) + [None] * (ndim - len(spec))
-
-
-def first_unstacked_dim(info: ParamInfo) -> int:
-    """The first dimension after the stacked-layer ones (those up to the one split over ``"pp"``)."""
-    names = [entry if isinstance(entry, tuple) else (entry,) for entry in info.partition_spec]
-    return 1 + max((d for d, entry in enumerate(names) if PP_AXIS in entry), default=-1)
 
 
 def shard_over_data_parallel(info: ParamInfo, local_shape: tuple[int, ...], state: ParallelState) -> ParamInfo:
@@ -52,8 +43,8 @@ def shard_over_data_parallel(info: ParamInfo, local_shape: tuple[int, ...], stat
         size *= state.mesh.shape[a]
     if size == 1:
         return info
-    entries = _entries(info.partition_spec, len(local_shape))
-    for dim in range(first_unstacked_dim(info), len(local_shape)):
+    entries = list(info.partition_spec) + [None] * (len(local_shape) - len(info.partition_spec))
+    for dim in range(first_unstacked_dim(info.partition_spec), len(local_shape)):
         if entries[dim] is None and local_shape[dim] % size == 0 and local_shape[dim] >= size:
             entries[dim] = axes if len(axes) > 1 else axes[0]
             return dataclasses.replace(info, partition_spec=P(*entries), fsdp_dim=dim, fsdp_axes=axes)

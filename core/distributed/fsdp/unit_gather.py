@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.distributed.collectives import all_gather, group_size, reduce_scatter
-from core.param_metadata import ParamInfo
+from core.distributed.collectives import all_gather, reduce_scatter
+from core.param_metadata import ParamInfo, keep_fsdp_block
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -62,6 +62,11 @@ def _gather_bwd(dim, axes, compute_dtype, reduce_dtype, like, g):
 
 
 gather_shard.defvjp(_gather_fwd, _gather_bwd)
+
+
+def _gathered_dtype(x: jax.Array, compute_dtype: Any) -> Any:
+    """The dtype a leaf is gathered in: ``compute_dtype`` for floating leaves (None: their own)."""
+    return jnp.dtype(compute_dtype if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +139,14 @@ class ParamGather:
         gradient flows through it: :meth:`call` reduce-scatters the unit's grads into ``params``."""
         return lax.stop_gradient(self._gather(lax.stop_gradient(params), infos, compute_dtype, stacked))
 
+    def _reduce_dtype(self, gathered: Any) -> Any:
+        """The dtype a gradient is reduce-scattered in: ``reduce_dtype``, else the gathered copy's."""
+        return jnp.dtype(self.reduce_dtype) if self.reduce_dtype is not None else jnp.dtype(gathered)
+
     def _gather(self, params: Any, infos: Any, compute_dtype: Any, stacked: int) -> Any:
         """Every leaf whole (sharded leaves all-gathered), in ``compute_dtype`` (None: its own)."""
         def leaf(x: jax.Array, info: ParamInfo) -> jax.Array:
-            dtype = jnp.dtype(compute_dtype if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-                              else x.dtype)
+            dtype = _gathered_dtype(x, compute_dtype)
             if not info.fsdp_sharded:
                 return x.astype(dtype)
             return all_gather(x.astype(dtype), info.fsdp_axes, axis=info.fsdp_dim - stacked)
@@ -151,8 +159,8 @@ class ParamGather:
         def leaf(g: jax.Array, x: jax.Array, info: ParamInfo) -> jax.Array:
             if not info.fsdp_sharded:
                 return g.astype(x.dtype)
-            reduce = jnp.dtype(self.reduce_dtype) if self.reduce_dtype is not None else g.dtype
-            return reduce_scatter(g.astype(reduce), info.fsdp_axes, scatter_dimension=info.fsdp_dim - stacked
+            dim = info.fsdp_dim - stacked
+            return reduce_scatter(g.astype(self._reduce_dtype(g.dtype)), info.fsdp_axes, scatter_dimension=dim
                                   ).astype(x.dtype)
 
         return jax.tree.map(leaf, grads, params, infos)
@@ -170,10 +178,8 @@ class ParamGather:
         def leaf(x: jax.Array, info: ParamInfo) -> jax.Array:
             if not info.fsdp_sharded:
                 return x
-            dtype = jnp.dtype(compute_dtype if compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-                              else x.dtype)
-            reduce = jnp.dtype(self.reduce_dtype) if self.reduce_dtype is not None else dtype
-            return gather_shard(x, info.fsdp_dim - stacked, info.fsdp_axes, dtype, reduce)
+            dtype = _gathered_dtype(x, compute_dtype)
+            return gather_shard(x, info.fsdp_dim - stacked, info.fsdp_axes, dtype, self._reduce_dtype(dtype))
 
         return jax.tree.map(leaf, params, infos)
 
@@ -183,13 +189,9 @@ class ParamGather:
         its first ``stacked`` dimensions absent: one layer of the ``[vpp, L, ...]`` stack is 2), so
         a model creates its parameters unit by unit without holding more than one unit whole."""
         def leaf(box: Any, info: ParamInfo) -> Any:
-            if not info.fsdp_sharded:
-                return box
-            value = box.value if isinstance(box, nn.meta.AxisMetadata) else box
-            dim = info.fsdp_dim - stacked
-            size = value.shape[dim] // group_size(info.fsdp_axes)
-            block = lax.dynamic_slice_in_dim(value, lax.axis_index(info.fsdp_axes) * size, size, dim)
-            return box.replace_boxed(block) if isinstance(box, nn.meta.AxisMetadata) else block
+            if isinstance(box, nn.meta.AxisMetadata):
+                return box.replace_boxed(keep_fsdp_block(box.value, info, stacked))
+            return keep_fsdp_block(box, info, stacked)
 
         return jax.tree.map(leaf, params, self.infos_at(path), is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
