@@ -404,9 +404,10 @@ def main() -> None:
         lines += peak_table(("optim_grads_params",) if a.smoke else ("optim", "optim_grads_params"))
     lines += [f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
     print("\n".join(lines))
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    if a.out:  # a failure or a signal leaves an earlier report intact
+        from core.atomic_files import write_atomically
+
+        write_atomically(a.out, lambda f: f.write("\n".join(lines) + "\n"), mode="w")
 
 
 if __name__ == "__main__":
