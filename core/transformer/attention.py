@@ -151,7 +151,9 @@ class ParallelAttention(nn.Module):
             rotary = partial(apply_rotary, base=cfg.rotary_base, layout=layout, positions=ctx.position_ids,
                              rotary_dim=cfg.rotary_dim, inv_freq=rotary_frequencies(cfg))
             q, k = rotary(q), rotary(k)
-        if cfg.context_parallel_size > 1:
+        if self.has_variable(KV_CACHE, "key"):  # inference (core.inference passes the layer's cache)
+            out = self._cached_attention(q, k, v, ctx, layout)
+        elif cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
             # the host); the kernel masks by global position and exchanges K/V over "cp" (the ring
             # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for). The
@@ -176,6 +178,52 @@ class ParallelAttention(nn.Module):
                                    sequence_parallel=cfg.sequence_parallel,
                                    init_method=init_method_normal(output_init_std(cfg)), name="linear_proj")(out)
         return out
+
+    def _cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, ctx: LayerContext,
+                          layout: str) -> jax.Array:
+        """Inference: this rank's new keys and values written into the layer's KV cache (the
+        ``"cache"`` collection, ``key`` / ``value`` ``[b, local groups, T, head_dim]``, slot =
+        position) at each row's ``position_ids``, and attention of the new queries over the cache
+        (a query at position ``p`` reads slots ``0..p`` of its own row; ``ctx.prefill``: over the
+        new tokens alone, which start at slot 0)."""
+        key_cache, value_cache = self.variable(KV_CACHE, "key"), self.variable(KV_CACHE, "value")
+        positions = ctx.position_ids
+        k_new, v_new = (_to_bnsd(x, layout).astype(key_cache.value.dtype) for x in (k, v))
+        starts = jnp.zeros(k.shape[0], jnp.int32) if ctx.prefill else positions[:, 0].astype(jnp.int32)
+        write = jax.vmap(lambda cache, new, start: lax.dynamic_update_slice_in_dim(cache, new, start, axis=1))
+        key_cache.value = write(key_cache.value, k_new, starts)
+        value_cache.value = write(value_cache.value, v_new, starts)
+        if ctx.prefill:
+            return causal_attention(q, k, v, layout)
+        out = attention_over_cache(_to_bnsd(q, layout), key_cache.value, value_cache.value, positions)
+        return out if layout == "bnsd" else jnp.swapaxes(out, 1, 2)
+
+
+KV_CACHE = "cache"
+"""The flax collection holding each attention layer's KV cache during inference (flax's name)."""
+
+
+def _to_bnsd(x: jax.Array, layout: str) -> jax.Array:
+    return x if layout == "bnsd" else jnp.swapaxes(x, 1, 2)
+
+
+def attention_over_cache(q: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                         positions: jax.Array) -> jax.Array:
+    """``softmax(q k^T / sqrt(d)) v`` of queries ``[b, heads, s, d]`` at ``positions`` ``[b, s]``
+    over a KV cache ``[b, groups, T, d]`` (slot = position; query head ``g * r + i`` reads group
+    ``g``, ``r = heads / groups``): each query sees the slots up to its own position, so slots
+    beyond a row's written length never count. Float32 scores and softmax; ``q``'s dtype out."""
+    b, heads, s, d = q.shape
+    groups, slots = key_cache.shape[1], key_cache.shape[2]
+    r = heads // groups
+    qg = q.reshape(b, groups, r * s, d)  # row i * s + j: head g * r + i, token j
+    scores = jnp.einsum("bgqd,bgtd->bgqt", qg, key_cache, preferred_element_type=jnp.float32) / float(d) ** 0.5
+    visible = jnp.arange(slots)[None, None, :] <= positions[:, :, None]  # [b, s, T]
+    visible = jnp.tile(visible, (1, r, 1))[:, None]  # [b, 1, r * s, T]
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bgqt,bgtd->bgqd", probs.astype(value_cache.dtype), value_cache,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, heads, s, d).astype(q.dtype)
 
 
 def rotary_frequencies(cfg: TransformerConfig) -> jax.Array:

@@ -38,6 +38,10 @@ class LayerContext:
     """``[b]`` per-sample dropout seeds (None: no dropout)."""
     layer_index: Any = 0
     """Global index of the layer being run (folded into its dropout keys)."""
+    prefill: bool = flax.struct.field(pytree_node=False, default=False)
+    """Inference with a KV cache (``core.inference``): the new tokens start every row's sequence
+    (positions ``0..s-1``), so attention runs over them alone and writes the cache's first ``s``
+    slots. False with a cache: the tokens continue the cached sequences at ``position_ids``."""
 
     @classmethod
     def from_batch(cls, batch: Any, layer_index: Any = 0) -> LayerContext:
