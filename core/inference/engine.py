@@ -109,10 +109,10 @@ class GenerationEngine:
         self.max_sequence_length = max_sequence_length or self.config.seq_length
         self.data_parallel_size = state.data_parallel_size
         self._specs = self._param_specs()
-        self.params = self._place(params, self._specs, self._cast)
+        self.params = self._place(params, self._specs, cast=True)
         self.moe_state = None
         if moe_state is not None:
-            self.moe_state = self._place(moe_state, GPTModel.moe_state_spec(), lambda t: t)
+            self.moe_state = self._place(moe_state, GPTModel.moe_state_spec(), cast=False)
         self._programs: dict = {}
 
     # -- placement --------------------------------------------------------------------------
@@ -121,13 +121,22 @@ class GenerationEngine:
         boxed = abstract_boxed_params(self.model.init, self.state.mesh, (jax.random.key(0), sample), (P(), P()))
         return jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
 
-    def _cast(self, tree: Any) -> Any:
+    def _place(self, tree: Any, specs: Any, cast: bool) -> Any:
+        """``tree``'s leaves (jax arrays of any sharding on any devices, or host arrays) as global
+        arrays in the inference layout, floating ones in the compute dtype with ``cast``, one leaf
+        at a time (the peak is one leaf's second copy)."""
         dtype = self.config.compute_dtype
-        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
-    def _place(self, tree: Any, specs: Any, fn: Any) -> Any:
-        shardings = jax.tree.map(lambda s: NamedSharding(self.state.mesh, s), specs)
-        return jax.jit(fn, out_shardings=shardings)(tree)
+        def one(leaf: Any, spec: P) -> jax.Array:
+            sharding = NamedSharding(self.state.mesh, spec)
+            to_cast = cast and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype
+            if not isinstance(leaf, jax.Array):
+                host = np.asarray(leaf).astype(dtype) if to_cast else np.asarray(leaf)
+                return self._global(host, spec)
+            placed = jax.device_put(leaf, sharding)
+            return jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)(placed) if to_cast else placed
+
+        return jax.tree.map(one, tree, specs)
 
     def _global(self, array: np.ndarray, spec: P) -> jax.Array:
         sharding = NamedSharding(self.state.mesh, spec)
