@@ -170,23 +170,26 @@ def _run(args, kind: str, prompts: list[str], rank: int) -> int:
     if rank == 0:
         for note in loaded.notes:
             _log(note)
-    if tokenizer.vocab_size > config.vocab_size:
+    # A byte-level model trained on a text corpus has the 256 bytes and no end-of-document token.
+    bytes_only = tokenizer_type == "ByteLevel" and config.vocab_size == tokenizer.eod == tokenizer.vocab_size - 1
+    if tokenizer.vocab_size > config.vocab_size and not bytes_only:
         raise ArgumentError(f"the tokenizer's vocabulary ({tokenizer_type}, {tokenizer.vocab_size}) is larger than the "
                             f"model's in --load {args.load} ({config.vocab_size}): use the tokenizer the model was "
                             "trained with")
     what = f"checkpoint step {loaded.step}" if loaded.step is not None else "Hugging Face model"
     engine = GenerationEngine(config, state, loaded.params, loaded.moe_state)
     del loaded
+    default_stop = (tokenizer.eod,) if tokenizer.eod < config.vocab_size else ()
     if rank == 0:
         _log(f"> {config.describe()} from --load {args.load} ({what}), {jax.process_count()} processes, "
              f"{jax.device_count()} {jax.devices()[0].platform} devices, tp {state.tensor_model_parallel_size} x "
              f"dp {state.data_parallel_size}; loaded in {time.time() - start:.1f} s")
     if args.server is not None:
-        return _serve(args, engine, tokenizer, bos)
+        return _serve(args, engine, tokenizer, bos, default_stop)
     request = prepare(tokenizer, prompts, tokens_to_generate=args.max_new_tokens,
                       max_length=engine.max_sequence_length, vocab_size=config.vocab_size,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      add_bos=args.add_bos, bos=bos, stop_tokens=stop_tokens(args), default_stop=(tokenizer.eod,))
+                      add_bos=args.add_bos, bos=bos, stop_tokens=stop_tokens(args), default_stop=default_stop)
     start = time.time()
     results = text_results(tokenizer, request, execute(engine, request))
     if rank == 0:
@@ -216,7 +219,7 @@ def _write_output(args, results) -> None:
         sys.stdout.flush()
 
 
-def _serve(args, engine, tokenizer, bos: int) -> int:
+def _serve(args, engine, tokenizer, bos: int, default_stop: tuple[int, ...]) -> int:
     import jax
 
     from core.inference.text_generation_server import GenerationService, serve
@@ -226,7 +229,7 @@ def _serve(args, engine, tokenizer, bos: int) -> int:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-    service = GenerationService(engine, tokenizer, bos, (tokenizer.eod,))
+    service = GenerationService(engine, tokenizer, bos, default_stop)
     ready = lambda port: _log(f"> serving Megatron's text generation API on http://{args.host}:{port}/api")  # noqa: E731
     return serve(service, args.server, args.host, comm, log=_log, ready=ready)
 

@@ -247,3 +247,24 @@ def test_bad_input_under_mpirun_ends_every_rank_with_one_line(model):
                    "--tensor-model-parallel-size", "2"], n=2, timeout=120)
     _assert_one_error_line(result, "unknown stop token")
     assert time.monotonic() - start < 60
+
+
+def test_a_launch_pretrain_checkpoint_loads_at_tp1_and_tp2_with_the_same_tokens(tmp_path):
+    """A checkpoint ``launch/pretrain.py`` wrote (learned positions, the optimizer state beside
+    the parameters, a byte-level model without an end-of-document token) at either tp."""
+    ckpt = tmp_path / "ckpt"
+    trained = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "pretrain.py"), "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2", "--no-progress-bar", "--eval-interval",
+         "1000", "--eval-iters", "1", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"],
+        capture_output=True, text=True, timeout=300, env=spawn_env(), cwd=ROOT)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    flags = ["--load", str(ckpt), "--use-checkpoint-args", "--prompt", "The ", "--max-new-tokens", "12",
+             "--temperature", "0", "--output-format", "jsonl"]
+    one, two = _run(flags), _run(flags + ["--tensor-model-parallel-size", "2"])
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr[-2000:], two.stderr[-2000:])
+    assert "(checkpoint step 2)" in one.stderr and "tp 2 x dp 1" in two.stderr
+    assert len(_rows(one.stdout)[0]["tokens"]) == 12
+    assert _rows(one.stdout)[0]["tokens"] == _rows(two.stdout)[0]["tokens"]
+    _assert_one_error_line(_run(flags + ["--ckpt-step", "1"]), "--ckpt-step 1: no complete checkpoint 1")
