@@ -6,6 +6,10 @@
 * :mod:`~core.inference.cached_forward`: prefill and decode steps through the model's layers;
 * :mod:`~core.inference.generation_loop`: one generation call as one compiled program;
 * :mod:`~core.inference.engine`: ``GenerationEngine`` (batched generation and scoring, tp and dp).
+* :mod:`~core.inference.model_loading`: a checkpoint or a Hugging Face directory into an inference layout;
+* :mod:`~core.inference.text_generation`: text in, text out (tokenize, stop tokens, detokenize);
+* :mod:`~core.inference.text_generation_server`: Megatron's REST interface (``PUT /api``);
+* :mod:`~core.inference.arguments`: ``launch/generate.py``'s flags.
 """
 
 from core.inference.engine import GenerationEngine, GenerationResult, ScoreResult, inference_config
