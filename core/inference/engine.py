@@ -72,6 +72,15 @@ def inference_config(config: GPTConfig) -> GPTConfig:
     return dataclasses.replace(config, sequence_parallel=False, recompute_granularity=None)
 
 
+def _to_host(array: jax.Array) -> np.ndarray:
+    """A global result on every calling process: read directly when this process holds all of it
+    (an engine on this process's devices alone, e.g. one process's reference in a multi-process
+    job, whose peers do not take part), else gathered from the processes."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
 def _bucket(n: int, smallest: int) -> int:
     """``n`` rounded up to a power of two, at least ``smallest``."""
     return max(smallest, 1 << max(0, n - 1).bit_length())
@@ -201,7 +210,7 @@ class GenerationEngine:
         out = self._generation_program(shape)(
             self.params, self.moe_state, self._global(tokens, dp), self._global(lengths, dp),
             self._global(np.arange(rows, dtype=np.int32), dp), stop, np.int32(n_new), values)
-        out = {k: np.asarray(multihost_utils.process_allgather(v, tiled=True)) for k, v in out.items()}
+        out = {k: _to_host(v) for k, v in out.items()}
         return [self._result(out, i, list(prompt), set(stop_token_ids)) for i, prompt in enumerate(prompts)]
 
     @staticmethod
@@ -250,7 +259,7 @@ class GenerationEngine:
         tokens = np.zeros((rows, width), np.int32)
         for i, pair in enumerate(pairs):
             tokens[i, :len(pair)] = pair
-        log_probs, greedy = (np.asarray(multihost_utils.process_allgather(v, tiled=True)) for v in
+        log_probs, greedy = (_to_host(v) for v in
                              self._scoring_program(self.params, self.moe_state, self._global(tokens, P(self._dp))))
         results = []
         for i, (context, continuation) in enumerate(zip(contexts, continuations)):
