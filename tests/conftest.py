@@ -89,7 +89,7 @@ SLOWEST_FILES = ("test_pretrain_checkpoint.py", "test_pretrain_cli.py", "test_pr
                  "test_pretrain_layouts.py", "test_pretrain_context_parallel.py", "test_context_parallel_attention.py",
                  "test_ddp.py", "test_fsdp_params.py", "test_pretrain_data.py", "test_launch_failures.py", "test_gpt_model_options.py", "test_moe.py",
                  "test_tensor_parallel_layers.py", "test_pretrain_expert_bias.py", "test_fsdp_checkpoints.py",
-                 "test_megatron_api.py", "test_generate_cli.py")
+                 "test_megatron_api.py", "test_generate_cli.py", "test_inference.py", "test_inference_hf.py")
 
 
 def pytest_collection_modifyitems(config, items):
