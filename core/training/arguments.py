@@ -154,7 +154,7 @@ def _validate_logging(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     given = [_flag(n) for n in ("wandb_exp_name", "wandb_save_dir") if getattr(args, n)]
     if given and not args.wandb_project:
-        raise ArgumentError(f"{' '.join(given)} need --wandb-project")
+        raise ArgumentError(f"{' '.join(given)} need{'s' if len(given) == 1 else ''} --wandb-project")
     missing = missing_packages_error(args)
     if missing:
         raise ArgumentError(missing)
