@@ -20,6 +20,11 @@ losses and grad norms are read back (one transfer) only when a line is logged, b
 evaluation or a checkpoint, and at the end. At most two steps are in flight. A non-finite
 loss or grad norm found then stops the run naming its first iteration; nothing after it is
 saved.
+
+Around what the host does in each iteration (building the batch, dispatching the step, waiting
+for the device, evaluating, saving) :attr:`Pretrainer.timers` measures per-rank phase times
+(``--timing-log-level``), gathered over the ranks at each log line; the records read back go to
+:attr:`Pretrainer.tracker`'s TensorBoard and W&B writers as they are (no extra read-back).
 """
 
 from __future__ import annotations
