@@ -196,6 +196,7 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
     logging = trainer.run_config.logging
     logger = TrainingLogger(args.train_iters, trainer.iteration, logging.metrics_file, logging.progress_bar)
     trainer.logger = logger
+    trainer.tracker = _open_tracker(args, trainer, logger)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     logger.print(f"> {jax.process_count()} processes, {jax.device_count()} {jax.devices()[0].platform} devices, "
                  f"layout {layout.describe()}, {layout.num_microbatches} microbatches of {args.micro_batch_size}")
@@ -210,12 +211,14 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
         logger.print(f"> nothing to train: the checkpoint in --load {args.load} is at iteration {trainer.iteration}, "
                      f"--train-iters is {args.train_iters}; raise --train-iters to train further")
         logger.close()
+        trainer.tracker.close()
         return 0
     progress.training = True
     try:
         records = trainer.train()
     finally:
         logger.close()
+        trainer.tracker.close()
     exits = trainer.exit_conditions
     if exits is not None and exits.reason:  # Megatron's early exits: no final evaluation, the time is short
         saved = f"checkpoint {trainer.iteration} saved to {args.save}" if args.save else "nothing saved (no --save)"
@@ -226,6 +229,23 @@ def _run(args, layout, rank: int, progress: _Progress) -> int:
         logger.print(f"> done: iteration {trainer.iteration}, loss {last['loss']:.4f}, "
                      f"validation loss {trainer.evaluate():.4f}, unigram entropy {trainer.data.unigram_entropy:.4f}")
     return 0
+
+
+def _open_tracker(args, trainer, logger):
+    """Rank 0's TensorBoard and W&B writers (:mod:`core.training.experiment_tracking`), with a line
+    saying where they write; W&B's run config is the flags."""
+    from core.training.experiment_tracking import ExperimentTracker
+
+    logging = trainer.run_config.logging
+    flags = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()
+             if isinstance(v, (str, int, float, bool, list, tuple, type(None)))}
+    tracker = ExperimentTracker.open(logging, args.global_batch_size, logger.is_writer, flags, args.save)
+    if logging.tensorboard_dir:
+        logger.print(f"> TensorBoard: event files in {logging.tensorboard_dir}")
+    if logging.wandb_project:
+        logger.print(f"> W&B: project {logging.wandb_project}"
+                     + (f", run {logging.wandb_exp_name}" if logging.wandb_exp_name else ""))
+    return tracker
 
 
 def _print_checkpoint_notes(args, trainer, resumed: bool, logger) -> None:

@@ -77,7 +77,11 @@ def test_help_lists_megatron_flags():
                  "--log-interval", "--metrics-file", "--normalization", "--swiglu", "--group-query-attention",
                  "--num-query-groups", "--disable-bias-linear", "--rotary-base", "--rotary-percent",
                  "--attention-dropout", "--hidden-dropout", "--init-method-std", "--make-vocab-size-divisible-by",
-                 "--use-rope-scaling", "--rope-scaling-factor", "--kv-channels", "--add-qkv-bias", "--qk-layernorm"]:
+                 "--use-rope-scaling", "--rope-scaling-factor", "--kv-channels", "--add-qkv-bias", "--qk-layernorm",
+                 "--tensorboard-dir", "--tensorboard-log-interval", "--tensorboard-queue-size",
+                 "--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+                 "--no-log-learning-rate-to-tensorboard", "--no-log-loss-scale-to-tensorboard", "--wandb-project",
+                 "--wandb-exp-name", "--wandb-save-dir", "--timing-log-level", "--timing-log-option"]:
         assert flag in out
 
 

@@ -138,9 +138,26 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
     for flag in ("finetune", "ckpt_step", "exit_on_missing_checkpoint", "use_checkpoint_args"):
         if getattr(args, flag) not in (None, False) and args.load is None:
             raise ArgumentError(f"--{flag.replace('_', '-')} needs --load DIR")
+    _validate_logging(args)
     validate_data_args(args)
     hsdp = args.num_distributed_optimizer_instances if sharding_strategy(args) == "optim_grads_params" else 1
     return ParallelLayout(tp, pp, vpp, dp, args.global_batch_size // (args.micro_batch_size * dp), cp, ep, hsdp)
+
+
+def _validate_logging(args: argparse.Namespace) -> None:
+    """The TensorBoard / W&B flags: positive intervals, W&B's names with a project, and the
+    optional package each needs installed (one line naming it and its ``pip install``)."""
+    from core.training.metric_writers import missing_packages_error
+
+    for name in ("tensorboard_log_interval", "tensorboard_queue_size"):
+        if getattr(args, name) < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    given = [_flag(n) for n in ("wandb_exp_name", "wandb_save_dir") if getattr(args, n)]
+    if given and not args.wandb_project:
+        raise ArgumentError(f"{' '.join(given)} need{'s' if len(given) == 1 else ''} --wandb-project")
+    missing = missing_packages_error(args)
+    if missing:
+        raise ArgumentError(missing)
 
 
 def sharding_strategy(args: argparse.Namespace) -> str:

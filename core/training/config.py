@@ -91,6 +91,32 @@ class LoggingConfig:
     """``--metrics-file``: one JSON line per logged iteration."""
     progress_bar: bool = True
     """A progress bar on a terminal (``--no-progress-bar`` turns it off)."""
+    tensorboard_dir: str | None = None
+    """``--tensorboard-dir``: write TensorBoard event files here (rank 0; needs tensorboardX)."""
+    tensorboard_log_interval: int = 1
+    """``--tensorboard-log-interval``: TensorBoard and W&B get every this-many-th iteration's scalars."""
+    tensorboard_queue_size: int = 1000
+    """``--tensorboard-queue-size``: events queued before the writer flushes them to disk."""
+    log_timers_to_tensorboard: bool = False
+    """``--log-timers-to-tensorboard``: iteration time, throughput and the timers' ``<name>-time``."""
+    log_memory_to_tensorboard: bool = False
+    """``--log-memory-to-tensorboard``: the ``mem-*`` tags."""
+    log_validation_ppl_to_tensorboard: bool = False
+    """``--log-validation-ppl-to-tensorboard``: ``lm loss validation ppl`` besides the loss."""
+    log_learning_rate_to_tensorboard: bool = True
+    """``--log-learning-rate-to-tensorboard`` (``--no-...`` turns it off): the ``learning-rate`` tags."""
+    log_loss_scale_to_tensorboard: bool = True
+    """``--log-loss-scale-to-tensorboard``: accepted for Megatron's scripts; no run here scales its loss."""
+    wandb_project: str | None = None
+    """``--wandb-project``: log to this Weights & Biases project (rank 0; needs wandb)."""
+    wandb_exp_name: str | None = None
+    """``--wandb-exp-name``: the W&B run's name (default: W&B chooses one)."""
+    wandb_save_dir: str | None = None
+    """``--wandb-save-dir``: W&B's local directory (default ``<--save>/wandb``, else ``./wandb``)."""
+    timing_log_level: int = 0
+    """``--timing-log-level``: host-side phases timed per rank and logged at each log line (0: none)."""
+    timing_log_option: str = "minmax"
+    """``--timing-log-option``: report the ``max`` over ranks, ``minmax``, or ``all`` ranks' times."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -301,6 +301,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-step-end", type=int, default=12, help="the iteration after which the trace stops")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="ranks that write a trace")
     g.add_argument("--profile-dir", default="profile", help="where the traces go (one subfolder per trace)")
+    g = p.add_argument_group("TensorBoard, Weights & Biases and timers (docs/observability.md)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write TensorBoard event files to this directory (rank 0; needs tensorboardX)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="TensorBoard and W&B get the scalars of every this-many-th iteration")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="events queued before the TensorBoard writer flushes them to disk")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write iteration-time, throughput and the timers' <name>-time")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true", help="write the mem-* tags")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="write the validation perplexity besides the validation loss")
+    g.add_argument("--log-learning-rate-to-tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="write the learning-rate tags")
+    g.add_argument("--log-loss-scale-to-tensorboard", action=argparse.BooleanOptionalAction, default=True,
+                   help="accepted for Megatron's scripts: no run here scales its loss (fp32 or bf16), so there is no "
+                        "loss-scale tag")
+    g.add_argument("--wandb-project", default=None,
+                   help="log to this Weights & Biases project (rank 0; needs wandb; WANDB_MODE=offline keeps the run "
+                        "on disk)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name (default: W&B chooses one)")
+    g.add_argument("--wandb-save-dir", default=None,
+                   help="W&B's local directory (default: <--save>/wandb, else ./wandb)")
+    g.add_argument("--timing-log-level", type=int, choices=[0, 1, 2], default=0,
+                   help="time each rank's host-side phases (data, dispatch, waiting for the device, evaluation, "
+                        "checkpoint) and log them at each log line; 0: off")
+    g.add_argument("--timing-log-option", choices=["max", "minmax", "all"], default="minmax",
+                   help="report the max over ranks, the min and max, or every rank's time (each with the slowest "
+                        "rank)")
     g = p.add_argument_group("compilation")
     g.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "

@@ -20,6 +20,11 @@ losses and grad norms are read back (one transfer) only when a line is logged, b
 evaluation or a checkpoint, and at the end. At most two steps are in flight. A non-finite
 loss or grad norm found then stops the run naming its first iteration; nothing after it is
 saved.
+
+Around what the host does in each iteration (building the batch, dispatching the step, waiting
+for the device, evaluating, saving) :attr:`Pretrainer.timers` measures per-rank phase times
+(``--timing-log-level``), gathered over the ranks at each log line; the records read back go to
+:attr:`Pretrainer.tracker`'s TensorBoard and W&B writers as they are (no extra read-back).
 """
 
 from __future__ import annotations
@@ -48,8 +53,10 @@ from core.training.arguments import ParallelLayout
 from core.training.config import PretrainConfig
 from core.training.device_peak import device_peak
 from core.training.exit_conditions import ExitConditions
+from core.training.experiment_tracking import ExperimentTracker
 from core.training.pretraining_data import PretrainingData
 from core.training.profiling import StepProfiler
+from core.training.timers import Timers
 from core.training.train_logging import TrainingLogger, memory_per_device_bytes
 from core.training.train_step import make_train_step
 
@@ -102,6 +109,14 @@ class Pretrainer:
         self.learning_rates = np.asarray(jax.jit(jax.vmap(self.schedule))(jnp.arange(max(1, training.train_iters))))
         self.ddp = DistributedDataParallel(state, config.ddp, self.model)
         self._logger = logger
+        self.tracker: ExperimentTracker | None = None
+        """Rank 0's TensorBoard / W&B writers (:class:`~core.training.experiment_tracking.ExperimentTracker`),
+        None when nothing is tracked; set by the launcher like :attr:`logger`."""
+        logging = config.logging
+        self.timers = Timers(logging.timing_log_level, logging.timing_log_option)
+        """This process's host-side phase timers (``--timing-log-level``), gathered over the ranks
+        at each log line (:mod:`core.training.timers`)."""
+        self._timed_from = 0
         self._peak = None
         self.iteration = 0
         signal_name, minutes = training.exit_signal, training.exit_duration_in_mins
@@ -172,12 +187,14 @@ class Pretrainer:
     def dispatch_step(self) -> dict[str, Any]:
         """Start one training iteration without waiting for it; returns its pending record, whose
         ``loss`` and ``grad_norm`` are device arrays until :meth:`collect` reads them."""
-        batch = self.data.next_train_batch()
-        if self.moe_state is None:
-            self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
-        else:
-            self.params, self.opt_state, metrics, self.moe_state = self.train_step(self.params, self.opt_state,
-                                                                                   batch, self.moe_state)
+        with self.timers("batch-generator"):
+            batch = self.data.next_train_batch()
+        with self.timers("step-dispatch"):  # returns once queued: the device's time shows in device-wait
+            if self.moe_state is None:
+                self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
+            else:
+                self.params, self.opt_state, metrics, self.moe_state = self.train_step(self.params, self.opt_state,
+                                                                                       batch, self.moe_state)
         self.iteration += 1
         lr = float(self.learning_rates[min(self.iteration, len(self.learning_rates)) - 1])
         return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
@@ -316,6 +333,7 @@ class Pretrainer:
         if training.exit_interval:  # Megatron's: the next iteration divisible by it
             stop = min(stop, (self.iteration // training.exit_interval + 1) * training.exit_interval)
         profiler = StepProfiler(self.run_config.profile, jax.process_index())
+        self._timed_from = self.iteration
         start = time.perf_counter()
         try:
             while self.iteration < stop:
@@ -336,16 +354,21 @@ class Pretrainer:
         if log:
             log.advance()
         if len(pending) >= 2:  # at most two steps in flight: the device stays busy with the newest
-            jax.block_until_ready(pending[-2]["loss"])
+            with self.timers("device-wait"):
+                jax.block_until_ready(pending[-2]["loss"])
         if not self._must_collect(stop):
             return pending, start
-        # Wait for the last step (its loss and the updated state) before reading the clock:
-        # dispatch returns at once on a GPU, and collect's read-back waits only after the clock.
-        jax.block_until_ready((pending[-1]["loss"], self.params, self.opt_state))
-        done = self.collect(pending, time.perf_counter() - start)
+        with self.timers("device-wait"):
+            # Wait for the last step (its loss and the updated state) before reading the clock:
+            # dispatch returns at once on a GPU, and collect's read-back waits only after the clock.
+            jax.block_until_ready((pending[-1]["loss"], self.params, self.opt_state))
+            done = self.collect(pending, time.perf_counter() - start)
         for record in done:
             self._add_throughput(record)
         records += done
+        if self.tracker is not None and self.tracker.active:
+            memory = self.run_config.logging.log_memory_to_tensorboard
+            self.tracker.log_training(done, jax.local_devices()[0].memory_stats() if memory else None)
         self._after_collect(done[-1], stop)
         return [], time.perf_counter()  # evaluation and checkpoint time is not step time
 
@@ -354,15 +377,36 @@ class Pretrainer:
         training, log, i = self.training, self.logger, self.iteration
         self.checkpointer.poll()
         if training.eval_interval and i % training.eval_interval == 0 and self.data.num_valid_samples:
-            record["valid_loss"] = self.evaluate()
+            with self.timers("evaluate"):
+                record["valid_loss"] = self.evaluate()
+        logged = i % self.run_config.logging.log_interval == 0 or i == 1 or "valid_loss" in record
         if log:
             log.set_loss(record["loss"])
-            if i % self.run_config.logging.log_interval == 0 or i == 1 or "valid_loss" in record:
+            if logged:
                 log.log_iteration(record, training.train_iters)
-            if "valid_loss" in record:
+        if logged:
+            self._log_timers()  # every process: the timers are gathered over the ranks
+        if "valid_loss" in record:
+            if log:
                 self._log_validation(record["valid_loss"])
+            if self.tracker is not None:
+                self.tracker.log_validation(i, record["consumed_samples"], record["valid_loss"])
         if self.checkpointer.due(i, stop):
-            self.save()
+            with self.timers("save-checkpoint"):
+                self.save()
+
+    def _log_timers(self) -> None:
+        """Gather the timers over the ranks (every process, at the same iteration), print them on
+        rank 0 and write their ``<name>-time`` tags."""
+        report = self.timers.gather(self.iteration - self._timed_from)
+        self._timed_from = self.iteration
+        if report is None:
+            return
+        text = report.describe()
+        if self.logger and text:
+            self.logger.print(text)
+        if self.tracker is not None:
+            self.tracker.log_timers(self.iteration, report.max_seconds())
 
     def _log_validation(self, loss: float) -> None:
         self.logger.print(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "

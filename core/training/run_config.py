@@ -11,7 +11,7 @@ from core.training.arguments import ddp_config, lr_decay_iters, lr_warmup_iters,
 
 if TYPE_CHECKING:
     from core.checkpointing.checkpointer import CheckpointConfig
-    from core.training.config import DataConfig, PretrainConfig, TrainingConfig
+    from core.training.config import DataConfig, LoggingConfig, PretrainConfig, TrainingConfig
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
@@ -29,7 +29,7 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     trainer's typed configs, the model with the tokenizer's vocabulary."""
     from core.optimizer.optimizer_config import OptimizerConfig
     from core.optimizer.optimizer_param_scheduler import SchedulerConfig
-    from core.training.config import LoggingConfig, PretrainConfig, ProfileConfig
+    from core.training.config import PretrainConfig, ProfileConfig
     from core.training.pretraining_data import data_vocab_size
 
     # The padded vocabulary is a multiple of tp for any tokenizer, so validate_args's check of the
@@ -42,8 +42,7 @@ def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     ddp = ddp_config(args)
     return PretrainConfig(
         model=model, training=training, ddp=ddp, data=data, checkpoint=checkpoint_config(args),
-        logging=LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,
-                              progress_bar=not args.no_progress_bar),
+        logging=logging_config(args),
         optimizer=OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
                                   adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, clip_grad=args.clip_grad),
         scheduler=SchedulerConfig(lr=args.lr, min_lr=min_lr(args), lr_decay_style=args.lr_decay_style,
@@ -78,3 +77,19 @@ def data_config(args: argparse.Namespace) -> DataConfig:
         data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss, sft=args.sft,
         sft_tokenizer_prompt_format=args.sft_tokenizer_prompt_format or "default")
+
+
+def logging_config(args: argparse.Namespace) -> LoggingConfig:
+    """The log, metrics-file, TensorBoard, W&B and timer flags as a :class:`~core.training.config.LoggingConfig`."""
+    from core.training.config import LoggingConfig
+
+    return LoggingConfig(
+        log_interval=args.log_interval, metrics_file=args.metrics_file, progress_bar=not args.no_progress_bar,
+        tensorboard_dir=args.tensorboard_dir, tensorboard_log_interval=args.tensorboard_log_interval,
+        tensorboard_queue_size=args.tensorboard_queue_size, log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_memory_to_tensorboard=args.log_memory_to_tensorboard,
+        log_validation_ppl_to_tensorboard=args.log_validation_ppl_to_tensorboard,
+        log_learning_rate_to_tensorboard=args.log_learning_rate_to_tensorboard,
+        log_loss_scale_to_tensorboard=args.log_loss_scale_to_tensorboard, wandb_project=args.wandb_project,
+        wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir,
+        timing_log_level=args.timing_log_level, timing_log_option=args.timing_log_option)
