@@ -73,6 +73,48 @@ def _moe_model_layers(model: Any, layers: dict, x: jax.Array, ctx: LayerContext,
     return x, stacked
 
 
+def split_layers(model: Any, params: dict, cache: dict, moe_state: dict | None = None) -> tuple[list, list]:
+    """``(layers, caches)``: each layer's ``(module, variables)`` (its parameters and a MoE layer's
+    expert bias) and its own cache, in layer order, sliced from the stacked ``[1, L, ...]``
+    parameters and cache once. The decode loop takes these: inside a ``while_loop`` XLA
+    materializes a slice of a stacked operand on every iteration, which would copy every weight
+    and the whole KV cache each decode step."""
+    layers = jax.tree.map(lambda a: a[0], params["layers"])
+    chunk_cache = jax.tree.map(lambda a: a[0], cache)
+    if model.moe_layer is None:
+        n = model.layers_per_chunk
+        return ([(model.layer, {"params": jax.tree.map(lambda a, i=i: a[i], layers)}) for i in range(n)],
+                [jax.tree.map(lambda a, i=i: a[i], chunk_cache) for i in range(n)])
+    bias = None if moe_state is None else moe_state["expert_bias"][0]
+    count = {"dense": 0, "moe": 0}
+    out, caches = [], []
+    for is_moe in model.chunk_moe_pattern:
+        kind = "moe" if is_moe else "dense"
+        i = count[kind]
+        count[kind] += 1
+        variables = {"params": jax.tree.map(lambda a, i=i: a[i], layers[kind])}
+        if is_moe and bias is not None:
+            variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias[i]}}}}
+        out.append((model.moe_layer if is_moe else model.layer, variables))
+        caches.append(jax.tree.map(lambda a, i=i: a[i], chunk_cache[kind]))
+    return out, caches
+
+
+def decode_with_split_layers(model: Any, params: dict, layers: list, tokens: jax.Array, positions: jax.Array,
+                             caches: list) -> tuple[jax.Array, list]:
+    """One decode step of ``tokens`` ``[b, 1]`` at ``positions`` through :func:`split_layers`'
+    layers and per-layer caches: ``([1, b, h] hidden states before the final norm, updated caches)``
+    (each cache written in place)."""
+    x = model.embed(params, {"tokens": tokens, "position_ids": positions})
+    ctx = LayerContext(position_ids=positions, prefill=False)
+    updated = []
+    for j, ((layer, variables), cache) in enumerate(zip(layers, caches)):
+        out, new = layer.apply({**variables, KV_CACHE: cache}, x, ctx.replace(layer_index=j), mutable=[KV_CACHE])
+        x = out if layer is model.layer else out[0]
+        updated.append(new[KV_CACHE])
+    return x, updated
+
+
 def vocab_logits(model: Any, params: dict, x: jax.Array) -> jax.Array:
     """Final norm and output layer of ``[s, b, h]`` hidden states: this rank's vocabulary-split
     ``[s, b, V/tp]`` logits (compute dtype; padding rows included)."""
@@ -105,4 +147,5 @@ def vocab_parallel_log_probs(model: Any, logits: jax.Array, targets: jax.Array) 
     return target_logit - top - jnp.log(total), target_logit >= top
 
 
-__all__ = ["forward_with_cache", "full_vocab_logits", "vocab_logits", "vocab_parallel_log_probs"]
+__all__ = ["decode_with_split_layers", "forward_with_cache", "full_vocab_logits", "split_layers", "vocab_logits",
+           "vocab_parallel_log_probs"]

@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.inference.cached_forward import forward_with_cache, full_vocab_logits, vocab_logits, vocab_parallel_log_probs
+from core.inference.cached_forward import (
+    decode_with_split_layers,
+    forward_with_cache,
+    full_vocab_logits,
+    split_layers,
+    vocab_logits,
+    vocab_parallel_log_probs,
+)
 from core.inference.kv_cache import allocate_kv_cache
 from core.inference.sampling import sample_tokens, token_log_probs
 
@@ -67,7 +74,8 @@ def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict |
 
     first, first_lp = sample(full_vocab_logits(model, params, last)[0], jnp.int32(0))
     done = jnp.isin(first, stop_ids)
-    state = {"t": jnp.int32(1), "cache": cache, "last": first,
+    layers, caches = split_layers(model, params, cache, moe_state)  # once, outside the loop
+    state = {"t": jnp.int32(1), "cache": caches, "last": first,
              "tokens": jnp.zeros((b, n), jnp.int32).at[:, 0].set(first),
              "log_probs": jnp.zeros((b, n), jnp.float32).at[:, 0].set(first_lp),
              "lengths": jnp.ones((b,), jnp.int32), "done": done, "finished": _all_finished(model, done)}
@@ -75,7 +83,7 @@ def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict |
     def step(s: dict) -> dict:
         t = s["t"]
         pos = (lengths + t - 1)[:, None]  # where the previous token goes
-        h, cache = forward_with_cache(model, params, s["last"][:, None], pos, s["cache"], False, moe_state)
+        h, cache = decode_with_split_layers(model, params, layers, s["last"][:, None], pos, s["cache"])
         token, lp = sample(full_vocab_logits(model, params, h)[0], t)
         live = ~s["done"]
         token, lp = jnp.where(live, token, 0), jnp.where(live, lp, 0.0)
