@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from core import parallel_state as ps
 from core.inference import GenerationEngine, SamplingParams
-from core.inference.cached_forward import forward_with_cache, full_vocab_logits
+from core.inference.cached_forward import forward_with_cache, full_vocab_logits, layerwise_params
 from core.inference.kv_cache import allocate_kv_cache
 from core.inference.sampling import filter_logits, sample_tokens
 from core.models.gpt import GPTConfig, GPTModel
@@ -103,13 +103,13 @@ def _cached_logits(model: GPTModel, specs, params: dict, prompts: np.ndarray, le
     k = feed.shape[1]
 
     def program(params, moe_state, tokens, lengths, feed):
+        params = layerwise_params(model, model._cast(params), moe_state)
         cache = allocate_kv_cache(model, b, p + k, model.config.compute_dtype)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-        x, cache = forward_with_cache(model, params, tokens, positions, cache, True, moe_state)
+        x, cache = forward_with_cache(model, params, tokens, positions, cache, True)
         out = [full_vocab_logits(model, params, x)]
         for t in range(k):
-            h, cache = forward_with_cache(model, params, feed[:, t:t + 1], (lengths + t)[:, None], cache, False,
-                                          moe_state)
+            h, cache = forward_with_cache(model, params, feed[:, t:t + 1], (lengths + t)[:, None], cache, False)
             out.append(full_vocab_logits(model, params, h))
         return jnp.concatenate(out, axis=0)
 
@@ -299,10 +299,10 @@ def test_the_loop_ends_when_every_row_stopped(dense, greedy_reference, monkeypat
     steps = []
     real = generation_loop.forward_with_cache
 
-    def counted(model, params, tokens, positions, cache, prefill, moe_state=None):
+    def counted(model, params, tokens, positions, cache, prefill):
         if not prefill:
             jax.debug.callback(lambda: steps.append(1))
-        return real(model, params, tokens, positions, cache, prefill, moe_state)
+        return real(model, params, tokens, positions, cache, prefill)
 
     monkeypatch.setattr(generation_loop, "forward_with_cache", counted)
     engine = GenerationEngine(dense.config, ps.build_parallel_state(devices=jax.devices()[:1]), dense.params)

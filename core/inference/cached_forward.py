@@ -1,15 +1,19 @@
-"""The GPT's forward with a KV cache, inside ``shard_map`` (one pipeline stage, one model chunk,
-no context parallelism, no sequence parallelism): prefill of whole prompts, one decode step, and
-the full-vocabulary logits the sampler reads.
+"""The GPT's forward for inference, inside ``shard_map`` (one pipeline stage, one model chunk, no
+context or sequence parallelism): prefill of whole prompts and decode steps with a KV cache, the
+plain forward of scoring, and the logits the sampler reads.
 
-The pieces are ``GPTModel``'s own (its embedding, layers and output head), run with each
-attention layer's cache as the ``"cache"`` collection: prompts go through with ``prefill`` (the
-cache's first slots written, causal attention over the prompt), later tokens one per row at their
-own positions, reading the cache (``core.transformer.attention.ParallelAttention``).
+The pieces are ``GPTModel``'s own (its embedding, layers and output head). The layers' parameters
+come one tree per layer, in layer order (:func:`layerwise_params`; the engine keeps them so), not
+stacked: inside the decode ``while_loop`` XLA would otherwise copy each layer's slice of the
+stacked weights and cache on every step. The layers run as a Python loop, each with its own cache
+as the ``"cache"`` collection: prompts go through with ``prefill`` (the cache's first slots
+written, causal attention over the prompt), later tokens one per row at their own positions,
+reading the cache (``core.transformer.attention.ParallelAttention``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,97 +26,67 @@ from core.transformer.layer_context import LayerContext
 from core.transformer.moe import MOE_STATE
 
 
-def forward_with_cache(model: Any, params: dict, tokens: jax.Array, positions: jax.Array, cache: dict,
-                       prefill: bool, moe_state: dict | None = None) -> tuple[jax.Array, dict]:
-    """Local ``[b, s]`` tokens at ``positions`` ``[b, s]`` through the embedding and every layer:
-    ``([s, b, h] hidden states before the final norm, updated cache)``. ``prefill``: the tokens
-    start their rows (positions ``0..s-1``)."""
-    x = model.embed(params, {"tokens": tokens, "position_ids": positions})
-    ctx = LayerContext(position_ids=positions, prefill=prefill)
-    layers = jax.tree.map(lambda a: a[0], params["layers"])  # the one model chunk
-    chunk_cache = jax.tree.map(lambda a: a[0], cache)
+def layer_kinds(model: Any) -> list[str]:
+    """``"dense"`` or ``"moe"`` for each layer of the (one-chunk) model, in layer order."""
     if model.moe_layer is None:
-        x, chunk_cache = _dense_layers(model, layers, x, ctx, chunk_cache)
-    else:
-        bias = None if moe_state is None else moe_state["expert_bias"][0]
-        x, chunk_cache = _moe_model_layers(model, layers, x, ctx, chunk_cache, bias)
-    return x, jax.tree.map(lambda a: a[None], chunk_cache)
+        return ["dense"] * model.layers_per_chunk
+    return ["moe" if m else "dense" for m in model.chunk_moe_pattern]
 
 
-def _dense_layers(model: Any, layers: dict, x: jax.Array, ctx: LayerContext, cache: dict) -> tuple[jax.Array, dict]:
-    """The stacked dense layers as a scan carrying the activations; each layer's cache goes in and
-    its updated cache comes out."""
-    def body(h, xs):
-        p, c, index = xs
-        h, updated = model.layer.apply({"params": p, KV_CACHE: c}, h, ctx.replace(layer_index=index),
-                                       mutable=[KV_CACHE])
-        return h, updated[KV_CACHE]
-
-    index = jnp.arange(model.layers_per_chunk, dtype=jnp.int32)
-    return lax.scan(body, x, (layers, cache, index), unroll=model.config.unroll_layers)
-
-
-def _moe_model_layers(model: Any, layers: dict, x: jax.Array, ctx: LayerContext, cache: dict,
-                      bias: jax.Array | None) -> tuple[jax.Array, dict]:
-    """A MoE model's layers in layer order (dense and MoE stacked apart, as ``GPTModel`` runs them)."""
+def layerwise_params(model: Any, params: dict, moe_state: dict | None = None,
+                     take: Callable[[Any, int], Any] | None = None, is_leaf: Callable[[Any], bool] | None = None
+                     ) -> dict:
+    """``params`` with the stacked ``"layers"`` (``[1, L, ...]``, or a MoE model's ``{"dense",
+    "moe"}`` stacks) as a list of each layer's flax variables in layer order: ``{"params": ...}``,
+    with a MoE layer's expert bias from ``moe_state`` when given. ``take(leaf, i)`` is layer ``i``
+    of a stacked leaf (default ``leaf[0, i]``: local arrays inside ``shard_map`` or global ones);
+    ``is_leaf`` says what a leaf is when the stacks are other trees (specs, lists of arrays)."""
+    take = take or (lambda leaf, i: leaf[0, i])
+    stacks = params["layers"] if model.moe_layer is not None else {"dense": params["layers"]}
     count = {"dense": 0, "moe": 0}
-    updated = {kind: [] for kind in cache}
-    for j, is_moe in enumerate(model.chunk_moe_pattern):
-        kind = "moe" if is_moe else "dense"
+    layers = []
+    for kind in layer_kinds(model):
         i = count[kind]
         count[kind] += 1
-        variables = {"params": jax.tree.map(lambda a, i=i: a[i], layers[kind]),
-                     KV_CACHE: jax.tree.map(lambda a, i=i: a[i], cache[kind])}
-        if is_moe and bias is not None:
-            variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias[i]}}}}
-        layer = model.moe_layer if is_moe else model.layer
-        out, new = layer.apply(variables, x, ctx.replace(layer_index=j), mutable=[KV_CACHE])
-        x = out[0] if is_moe else out
-        updated[kind].append(new[KV_CACHE])
-    stacked = {kind: jax.tree.map(lambda *a: jnp.stack(a), *caches) for kind, caches in updated.items()}
-    return x, stacked
+        variables = {"params": jax.tree.map(lambda a, i=i: take(a, i), stacks[kind], is_leaf=is_leaf)}
+        if kind == "moe" and moe_state is not None:
+            bias = take(moe_state["expert_bias"], i)
+            variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
+        layers.append(variables)
+    return {**{k: v for k, v in params.items() if k != "layers"}, "layers": layers}
 
 
-def split_layers(model: Any, params: dict, cache: dict, moe_state: dict | None = None) -> tuple[list, list]:
-    """``(layers, caches)``: each layer's ``(module, variables)`` (its parameters and a MoE layer's
-    expert bias) and its own cache, in layer order, sliced from the stacked ``[1, L, ...]``
-    parameters and cache once. The decode loop takes these: inside a ``while_loop`` XLA
-    materializes a slice of a stacked operand on every iteration, which would copy every weight
-    and the whole KV cache each decode step."""
-    layers = jax.tree.map(lambda a: a[0], params["layers"])
-    chunk_cache = jax.tree.map(lambda a: a[0], cache)
-    if model.moe_layer is None:
-        n = model.layers_per_chunk
-        return ([(model.layer, {"params": jax.tree.map(lambda a, i=i: a[i], layers)}) for i in range(n)],
-                [jax.tree.map(lambda a, i=i: a[i], chunk_cache) for i in range(n)])
-    bias = None if moe_state is None else moe_state["expert_bias"][0]
-    count = {"dense": 0, "moe": 0}
-    out, caches = [], []
-    for is_moe in model.chunk_moe_pattern:
-        kind = "moe" if is_moe else "dense"
-        i = count[kind]
-        count[kind] += 1
-        variables = {"params": jax.tree.map(lambda a, i=i: a[i], layers[kind])}
-        if is_moe and bias is not None:
-            variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias[i]}}}}
-        out.append((model.moe_layer if is_moe else model.layer, variables))
-        caches.append(jax.tree.map(lambda a, i=i: a[i], chunk_cache[kind]))
-    return out, caches
-
-
-def decode_with_split_layers(model: Any, params: dict, layers: list, tokens: jax.Array, positions: jax.Array,
-                             caches: list) -> tuple[jax.Array, list]:
-    """One decode step of ``tokens`` ``[b, 1]`` at ``positions`` through :func:`split_layers`'
-    layers and per-layer caches: ``([1, b, h] hidden states before the final norm, updated caches)``
-    (each cache written in place)."""
-    x = model.embed(params, {"tokens": tokens, "position_ids": positions})
-    ctx = LayerContext(position_ids=positions, prefill=False)
+def run_layers(model: Any, layers: list[dict], x: jax.Array, ctx: LayerContext,
+               caches: list[dict] | None = None) -> tuple[jax.Array, list[dict]]:
+    """``[s, b, h]`` activations through every layer (``layers``: :func:`layerwise_params`'
+    list); with ``caches`` (one per layer) each attention reads and writes its own, returned
+    updated."""
     updated = []
-    for j, ((layer, variables), cache) in enumerate(zip(layers, caches)):
-        out, new = layer.apply({**variables, KV_CACHE: cache}, x, ctx.replace(layer_index=j), mutable=[KV_CACHE])
-        x = out if layer is model.layer else out[0]
-        updated.append(new[KV_CACHE])
+    for j, (kind, variables) in enumerate(zip(layer_kinds(model), layers)):
+        module = model.moe_layer if kind == "moe" else model.layer
+        c = ctx.replace(layer_index=j)
+        if caches is None:
+            out = module.apply(variables, x, c)
+        else:
+            out, new = module.apply({**variables, KV_CACHE: caches[j]}, x, c, mutable=[KV_CACHE])
+            updated.append(new[KV_CACHE])
+        x = out[0] if kind == "moe" else out
     return x, updated
+
+
+def forward_with_cache(model: Any, params: dict, tokens: jax.Array, positions: jax.Array, caches: list[dict],
+                       prefill: bool) -> tuple[jax.Array, list[dict]]:
+    """Local ``[b, s]`` tokens at ``positions`` ``[b, s]`` through the embedding and every layer
+    (``params`` layerwise): ``([s, b, h] hidden states before the final norm, updated caches)``.
+    ``prefill``: the tokens start their rows (positions ``0..s-1``)."""
+    x = model.embed(params, {"tokens": tokens, "position_ids": positions})
+    return run_layers(model, params["layers"], x, LayerContext(position_ids=positions, prefill=prefill), caches)
+
+
+def forward(model: Any, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """The plain forward (no cache) of local ``[b, s]`` tokens: ``[s, b, h]`` hidden states."""
+    x = model.embed(params, {"tokens": tokens, "position_ids": positions})
+    return run_layers(model, params["layers"], x, LayerContext(position_ids=positions))[0]
 
 
 def vocab_logits(model: Any, params: dict, x: jax.Array) -> jax.Array:
@@ -147,5 +121,5 @@ def vocab_parallel_log_probs(model: Any, logits: jax.Array, targets: jax.Array) 
     return target_logit - top - jnp.log(total), target_logit >= top
 
 
-__all__ = ["decode_with_split_layers", "forward_with_cache", "full_vocab_logits", "split_layers", "vocab_logits",
-           "vocab_parallel_log_probs"]
+__all__ = ["forward", "forward_with_cache", "full_vocab_logits", "layer_kinds", "layerwise_params", "run_layers",
+           "vocab_logits", "vocab_parallel_log_probs"]

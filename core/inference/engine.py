@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from core.inference.cached_forward import vocab_logits, vocab_parallel_log_probs
+from core.inference.cached_forward import forward, layerwise_params, vocab_logits, vocab_parallel_log_probs
 from core.inference.generation_loop import LoopShape, generate_local
 from core.inference.sampling_params import SamplingParams
 from core.models.gpt.gpt_config import GPTConfig
@@ -117,11 +117,15 @@ class GenerationEngine:
         self.model = GPTModel(self.config, state)
         self.max_sequence_length = max_sequence_length or self.config.seq_length
         self.data_parallel_size = state.data_parallel_size
-        self._specs = self._param_specs()
-        self.params = self._place(params, self._specs, cast=True)
-        self.moe_state = None
+        stacked_specs = self._param_specs()
         if moe_state is not None:
-            self.moe_state = self._place(moe_state, GPTModel.moe_state_spec(), cast=False)
+            stacked_specs, params = {**stacked_specs, "moe_state": GPTModel.moe_state_spec()}, {**params,
+                                                                                                "moe_state": moe_state}
+        self._specs = self._layerwise(stacked_specs, lambda spec, i: P(*tuple(spec)[2:]))
+        self.params = self._place(params, stacked_specs)
+        """The parameters in the inference layout and compute dtype, the layers' as one tree of
+        flax variables per layer (``cached_forward.layerwise_params``; a MoE layer's with its
+        expert bias)."""
         self._programs: dict = {}
 
     # -- placement --------------------------------------------------------------------------
@@ -130,22 +134,40 @@ class GenerationEngine:
         boxed = abstract_boxed_params(self.model.init, self.state.mesh, (jax.random.key(0), sample), (P(), P()))
         return jax.tree.map(lambda info: info.partition_spec, param_info_tree(boxed))
 
-    def _place(self, tree: Any, specs: Any, cast: bool) -> Any:
-        """``tree``'s leaves (jax arrays of any sharding on any devices, or host arrays) as global
-        arrays in the inference layout, floating ones in the compute dtype with ``cast``, one leaf
-        at a time (the peak is one leaf's second copy)."""
+    def _layerwise(self, stacked: dict, take: Callable[[Any, int], Any], is_leaf: Any = None) -> dict:
+        """``stacked`` (params, with ``"moe_state"`` when given) in :func:`layerwise_params`' form,
+        ``take(leaf, i)`` giving layer ``i`` of a stacked leaf (a spec, or a list of arrays)."""
+        params = {k: v for k, v in stacked.items() if k != "moe_state"}
+        return layerwise_params(self.model, params, stacked.get("moe_state"), take, is_leaf)
+
+    def _place(self, tree: dict, stacked_specs: dict) -> dict:
+        """``tree`` (stacked params, and ``"moe_state"`` when given; jax arrays of any sharding on
+        any devices, or host arrays) in the inference layout: floating parameters in the compute
+        dtype, each stacked leaf split into one array per layer right after it is placed (the peak
+        is one leaf's second copy; the engine then holds one copy of the weights)."""
         dtype = self.config.compute_dtype
 
-        def one(leaf: Any, spec: P) -> jax.Array:
+        def one(leaf: Any, spec: P, cast: bool, stacked: bool) -> Any:
             sharding = NamedSharding(self.state.mesh, spec)
             to_cast = cast and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.dtype != dtype
             if not isinstance(leaf, jax.Array):
-                host = np.asarray(leaf).astype(dtype) if to_cast else np.asarray(leaf)
-                return self._global(host, spec)
-            placed = jax.device_put(leaf, sharding)
-            return jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)(placed) if to_cast else placed
+                placed = self._global(np.asarray(leaf).astype(dtype) if to_cast else np.asarray(leaf), spec)
+            else:
+                placed = jax.device_put(leaf, sharding)
+            if not stacked:
+                return jax.jit(lambda a: a.astype(dtype), out_shardings=sharding)(placed) if to_cast else placed
+            n = placed.shape[1]
+            layer = NamedSharding(self.state.mesh, P(*tuple(spec)[2:]))
+            split = lambda a: [a[0, i].astype(dtype) if to_cast else a[0, i] for i in range(n)]  # noqa: E731
+            return jax.jit(split, out_shardings=[layer] * n)(placed)
 
-        return jax.tree.map(one, tree, specs)
+        params = {k: v for k, v in tree.items() if k != "moe_state"}
+        placed = {k: jax.tree.map(lambda a, s, k=k: one(a, s, True, k == "layers"), v, stacked_specs[k])
+                  for k, v in params.items()}
+        if "moe_state" in tree:
+            placed["moe_state"] = jax.tree.map(lambda a, s: one(a, s, False, True), tree["moe_state"],
+                                               stacked_specs["moe_state"])
+        return self._layerwise(placed, lambda pieces, i: pieces[i], is_leaf=lambda x: isinstance(x, list))
 
     def _global(self, array: np.ndarray, spec: P) -> jax.Array:
         sharding = NamedSharding(self.state.mesh, spec)
@@ -208,7 +230,7 @@ class GenerationEngine:
                   "top_p": np.float32(sampling.top_p), "seed": np.uint32(sampling.seed)}
         dp = P(self._dp)
         out = self._generation_program(shape)(
-            self.params, self.moe_state, self._global(tokens, dp), self._global(lengths, dp),
+            self.params, self._global(tokens, dp), self._global(lengths, dp),
             self._global(np.arange(rows, dtype=np.int32), dp), stop, np.int32(n_new), values)
         out = {k: _to_host(v) for k, v in out.items()}
         return [self._result(out, i, list(prompt), set(stop_token_ids)) for i, prompt in enumerate(prompts)]
@@ -226,18 +248,16 @@ class GenerationEngine:
     def _generation_program(self, shape: LoopShape) -> Any:
         if shape not in self._programs:
             dp = P(self._dp)
-            moe_spec = None if self.moe_state is None else GPTModel.moe_state_spec()
             out_specs = {"tokens": dp, "log_probs": dp, "lengths": dp}
             if shape.prompt_log_probs:
                 out_specs["prompt_log_probs"] = dp
 
-            def program(params, moe_state, tokens, lengths, rows, stop, n_new, values):
+            def program(params, tokens, lengths, rows, stop, n_new, values):
                 sampling = {**values, "key": jax.random.key(values["seed"])}
-                return generate_local(self.model, shape, params, moe_state, tokens, lengths, rows, stop, n_new,
-                                      sampling)
+                return generate_local(self.model, shape, params, tokens, lengths, rows, stop, n_new, sampling)
 
             self._programs[shape] = jax.jit(jax.shard_map(
-                program, mesh=self.state.mesh, in_specs=(self._specs, moe_spec, dp, dp, dp, P(), P(), P()),
+                program, mesh=self.state.mesh, in_specs=(self._specs, dp, dp, dp, P(), P(), P()),
                 out_specs=out_specs, check_vma=False))
         return self._programs[shape]
 
@@ -260,7 +280,7 @@ class GenerationEngine:
         for i, pair in enumerate(pairs):
             tokens[i, :len(pair)] = pair
         log_probs, greedy = (_to_host(v) for v in
-                             self._scoring_program(self.params, self.moe_state, self._global(tokens, P(self._dp))))
+                             self._scoring_program(self.params, self._global(tokens, P(self._dp))))
         results = []
         for i, (context, continuation) in enumerate(zip(contexts, continuations)):
             span = slice(len(context) - 1, len(context) - 1 + len(continuation))  # entry j predicts token j + 1
@@ -270,16 +290,15 @@ class GenerationEngine:
     @functools.cached_property
     def _scoring_program(self) -> Any:
         dp = P(self._dp)
-        moe_spec = None if self.moe_state is None else GPTModel.moe_state_spec()
 
-        def program(params, moe_state, tokens):
+        def program(params, tokens):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-            x, _ = self.model._hidden_states(params, {"tokens": tokens, "position_ids": positions}, moe_state)
+            x = forward(self.model, params, tokens, positions)
             logits = vocab_logits(self.model, params, x[:-1])  # [s - 1, b, V/tp]
             log_probs, greedy = vocab_parallel_log_probs(self.model, logits, tokens[:, 1:].T)
             return log_probs.T, greedy.T
 
-        return jax.jit(jax.shard_map(program, mesh=self.state.mesh, in_specs=(self._specs, moe_spec, dp),
+        return jax.jit(jax.shard_map(program, mesh=self.state.mesh, in_specs=(self._specs, dp),
                                      out_specs=(dp, dp), check_vma=False))
 
 

@@ -18,14 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.inference.cached_forward import (
-    decode_with_split_layers,
-    forward_with_cache,
-    full_vocab_logits,
-    split_layers,
-    vocab_logits,
-    vocab_parallel_log_probs,
-)
+from core.inference.cached_forward import forward_with_cache, full_vocab_logits, vocab_logits, vocab_parallel_log_probs
 from core.inference.kv_cache import allocate_kv_cache
 from core.inference.sampling import sample_tokens, token_log_probs
 
@@ -46,11 +39,12 @@ class LoopShape:
     """Columns of the output buffers: the most tokens a call of this program may generate."""
 
 
-def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict | None, tokens: jax.Array,
+def generate_local(model: Any, shape: LoopShape, params: dict, tokens: jax.Array,
                    lengths: jax.Array, rows: jax.Array, stop_ids: jax.Array, num_new: jax.Array,
                    sampling: dict) -> dict:
     """This rank's rows (``tokens`` ``[b, P]`` right-padded, ``lengths`` ``[b]``, ``rows`` their
-    indices in the whole batch) generated: ``{"tokens": [b, N], "log_probs": [b, N], "lengths": [b]}``
+    indices in the whole batch; ``params`` layerwise, ``cached_forward.layerwise_params``)
+    generated: ``{"tokens": [b, N], "log_probs": [b, N], "lengths": [b]}``
     (``N = shape.new_tokens``; a row's tokens up to and including its first stop token, at most
     ``num_new``; zeros after), plus ``"prompt_log_probs"`` ``[b, P - 1]`` with
     ``shape.prompt_log_probs`` (entry ``j``: token ``j + 1`` given the ones before).
@@ -59,7 +53,7 @@ def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict |
     n = shape.new_tokens
     cache = allocate_kv_cache(model, b, p + n, model.config.compute_dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    x, cache = forward_with_cache(model, params, tokens, positions, cache, True, moe_state)
+    x, cache = forward_with_cache(model, params, tokens, positions, cache, True)
     out = {}
     if shape.prompt_log_probs:
         logits = vocab_logits(model, params, x[:-1])  # [P - 1, b, V/tp]: position j predicts token j + 1
@@ -74,8 +68,7 @@ def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict |
 
     first, first_lp = sample(full_vocab_logits(model, params, last)[0], jnp.int32(0))
     done = jnp.isin(first, stop_ids)
-    layers, caches = split_layers(model, params, cache, moe_state)  # once, outside the loop
-    state = {"t": jnp.int32(1), "cache": caches, "last": first,
+    state = {"t": jnp.int32(1), "cache": cache, "last": first,
              "tokens": jnp.zeros((b, n), jnp.int32).at[:, 0].set(first),
              "log_probs": jnp.zeros((b, n), jnp.float32).at[:, 0].set(first_lp),
              "lengths": jnp.ones((b,), jnp.int32), "done": done, "finished": _all_finished(model, done)}
@@ -83,7 +76,7 @@ def generate_local(model: Any, shape: LoopShape, params: dict, moe_state: dict |
     def step(s: dict) -> dict:
         t = s["t"]
         pos = (lengths + t - 1)[:, None]  # where the previous token goes
-        h, cache = decode_with_split_layers(model, params, layers, s["last"][:, None], pos, s["cache"])
+        h, cache = forward_with_cache(model, params, s["last"][:, None], pos, s["cache"], False)
         token, lp = sample(full_vocab_logits(model, params, h)[0], t)
         live = ~s["done"]
         token, lp = jnp.where(live, token, 0), jnp.where(live, lp, 0.0)
