@@ -13,7 +13,6 @@ directory), 130 when interrupted, 1 for anything unexpected.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -22,31 +21,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size from the launcher's environment (no MPI call)."""
-    from core.parallel_state import mpi_world_size_from_env
-
-    world = mpi_world_size_from_env()
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var]), world
-    return 0, world
-
-
-def _parse(argv: list[str] | None, rank: int):
-    """The flags; argparse's errors (and ``--help``) from rank 0 only."""
-    from core.inference.arguments import parse_args
-
-    if rank == 0:
-        return parse_args(argv)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        try:
-            return parse_args(argv)
-        except SystemExit:
-            time.sleep(2.0)  # the launcher ends the job at the first exit: rank 0 prints first
-            raise
 
 
 def _log(line: str) -> None:
@@ -68,10 +42,13 @@ def _report(failure, error: BaseException):
 
 def main(argv: list[str] | None = None) -> int:
     """Parse, check, start ``jax.distributed``, load the model, generate or serve; returns the exit code."""
+    from core.inference.arguments import parse_args
+    from core.runtime.cluster import mpi_rank_and_world_from_env
+    from core.training.flags import parse_on_rank_0
     from core.training.job_failure import JobFailure
 
-    rank, processes = _rank_and_world()
-    args = _parse(argv, rank)
+    rank, processes = mpi_rank_and_world_from_env()
+    args = parse_on_rank_0(parse_args, argv, rank)
     failure = JobFailure(rank, debug=args.debug)
     try:
         return _start(args, rank, processes, failure)

@@ -13,40 +13,12 @@ interrupted, 1 for anything unexpected (docs/pretraining-and-checkpoints.md).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 EXIT_UNEXPECTED, EXIT_BAD_INPUT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 1, 2, 3, 130
-
-
-def _rank_and_world() -> tuple[int, int]:
-    """This process's rank and the world size from the launcher's environment (no MPI call)."""
-    from core.parallel_state import mpi_world_size_from_env
-
-    world = mpi_world_size_from_env()
-    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var]), world
-    return 0, world
-
-
-def _parse(argv: list[str] | None, rank: int):
-    """Megatron's flags; argparse's usage and errors (and ``--help``) from rank 0 only, the other
-    ranks exiting with the same code once rank 0 has had time to print."""
-    from core.training.arguments import parse_args
-
-    if rank == 0:
-        return parse_args(argv)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
-        try:
-            return parse_args(argv)
-        except SystemExit:
-            time.sleep(2.0)  # the launcher ends the job at the first exit: rank 0 prints first
-            raise
 
 
 class _Progress:
@@ -114,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     """Parse, apply the CPU settings (CPU backend only), start ``jax.distributed``, validate the
     flags against the devices the job really has, set up the mesh, train; returns the exit code.
     Any failure on any rank ends the whole job with one ``error:`` line (:mod:`core.training.job_failure`)."""
+    from core.runtime.cluster import mpi_rank_and_world_from_env
+    from core.training.arguments import parse_args
+    from core.training.flags import parse_on_rank_0
     from core.training.job_failure import JobFailure
 
-    rank, processes = _rank_and_world()
-    args = _parse(argv, rank)
+    rank, processes = mpi_rank_and_world_from_env()
+    args = parse_on_rank_0(parse_args, argv, rank)
     failure, progress = JobFailure(rank, debug=args.debug), _Progress()
     try:
         return _start(args, rank, processes, failure, progress, reexec=argv is None)

@@ -12,6 +12,41 @@ import numpy as np
 
 from core.models.gpt.gpt_config import GPTConfig
 
+TINY_HF_COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
+"""The shared fields of the tests' tiny HF models (:func:`tiny_hf_families`)."""
+
+
+def tiny_hf_families() -> dict:
+    """``{family: (transformers config class, its own fields)}`` of the tests' tiny models, one per
+    imported family: Llama with Llama 3.1 rope scaling (an original context of 8 tokens, so later
+    positions are scaled), Mistral with an explicit ``head_dim``, Qwen2 tied (QKV biases), Qwen3
+    with q/k norm and an explicit ``head_dim``."""
+    import transformers
+
+    return {
+        "llama": (transformers.LlamaConfig, dict(
+            tie_word_embeddings=False, rope_theta=50000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8})),
+        "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None, head_dim=24)),
+        "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+        "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=32)),
+    }
+
+
+def checkpoint_params(ckpt: str) -> dict:
+    """A parameters checkpoint (``import_hf_model``'s) as a nested dict of host arrays."""
+    from core.checkpointing.params_checkpoint import read_params_arrays, saved_param_shapes
+
+    tree: dict = {}
+    for path, array in read_params_arrays(ckpt, list(saved_param_shapes(ckpt))):
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = array
+    return tree
+
 
 def randomize(model, seed: int = 0, std: float = 0.1) -> None:
     """Every weight and bias ``N(0, std)``, every norm weight ``1 + N(0, 0.2)``: HF's init (zero

@@ -25,8 +25,9 @@ from jax.sharding import PartitionSpec as P
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_weights import TINY_HF_COMMON, checkpoint_params, tiny_hf_families  # noqa: E402
+
 from core import parallel_state as ps  # noqa: E402
-from core.checkpointing.params_checkpoint import read_params_arrays, saved_param_shapes  # noqa: E402
 from core.models.gpt import GPTModel  # noqa: E402
 from core.models.huggingface import HFConversionError, export_hf_model, import_hf_model  # noqa: E402
 from core.models.huggingface.conversion import checkpoint_model_config  # noqa: E402
@@ -34,18 +35,8 @@ from core.models.huggingface.safetensors_files import SafetensorsReader  # noqa:
 from core.param_metadata import init_sharded_params  # noqa: E402
 
 S, B = 32, 4
-COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-FAMILIES = {
-    # Llama 3.1 rope scaling with an original context of 8 tokens: positions 8..31 are scaled.
-    "llama": (transformers.LlamaConfig, dict(
-        tie_word_embeddings=False, rope_theta=50000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8})),
-    "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None, head_dim=24)),
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=32)),
-}
+COMMON = TINY_HF_COMMON
+FAMILIES = tiny_hf_families()
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +69,11 @@ def _hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
 
-def _params_tree(ckpt: str) -> dict:
-    tree: dict = {}
-    for path, array in read_params_arrays(ckpt, list(saved_param_shapes(ckpt))):
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = array
-    return tree
-
-
 def _layout(model: GPTModel, state, ckpt: str):
     """``(params, specs)``: the checkpoint's parameters placed as ``model``'s layout shards them."""
     _, specs, _ = init_sharded_params(model.init, state.mesh, (jax.random.key(0), jnp.zeros((2, S), jnp.int32)),
                                       (P(), P()))
-    params = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(state.mesh, spec)), _params_tree(ckpt),
+    params = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(state.mesh, spec)), checkpoint_params(ckpt),
                           specs)
     return params, specs
 
@@ -104,7 +85,7 @@ def test_imported_logits_equal_transformers(hf_models, family):
     tokens = _tokens()
     want = _hf_logits(hf_model, tokens)
     one = GPTModel(config, ps.build_parallel_state(devices=jax.devices()[:1]))
-    got = np.asarray(one.global_logits(_params_tree(ckpt), jnp.asarray(tokens)))
+    got = np.asarray(one.global_logits(checkpoint_params(ckpt), jnp.asarray(tokens)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     sp = config.__class__(**{**config.__dict__, "sequence_parallel": True})
     state = ps.build_parallel_state(2, devices=jax.devices()[:2])

@@ -1,6 +1,6 @@
 """``GenerationEngine`` on imported Hugging Face models against ``transformers``: tiny random Llama
 (Llama 3.1 rope scaling), Mistral, Qwen2 (tied embeddings, qkv bias) and Qwen3 (qk-norm) models
-(``tests/test_huggingface.py``'s configs at 2 layers), randomized (``hf_weights.randomize``),
+(``hf_weights.tiny_hf_families`` at 2 layers), randomized (``hf_weights.randomize``),
 imported with ``import_hf_model``.
 
 * Greedy generation of 32 new tokens for a batch of prompts of mixed lengths equals
@@ -22,38 +22,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_weights import randomize  # noqa: E402
+from hf_weights import TINY_HF_COMMON, checkpoint_params, randomize, tiny_hf_families  # noqa: E402
 
 from core import parallel_state as ps  # noqa: E402
-from core.checkpointing.params_checkpoint import read_params_arrays, saved_param_shapes  # noqa: E402
 from core.inference import GenerationEngine, SamplingParams  # noqa: E402
 from core.models.huggingface import import_hf_model  # noqa: E402
 from core.models.huggingface.conversion import checkpoint_model_config  # noqa: E402
 
 N_NEW = 32
-COMMON = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5)
-FAMILIES = {
-    # Llama 3.1 rope scaling with an original context of 8 tokens.
-    "llama": (transformers.LlamaConfig, dict(
-        tie_word_embeddings=False, rope_theta=50000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8})),
-    "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False, sliding_window=None, head_dim=24)),
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=32)),
-}
+COMMON = {**TINY_HF_COMMON, "num_hidden_layers": 2}
+FAMILIES = tiny_hf_families()
 PROMPTS = [[5, 17, 3], [9, 60, 44, 12, 71, 38, 2], [11, 2, 33, 47, 70, 8, 19, 54, 61, 12, 77, 90], [30]]
-
-
-def _params_tree(ckpt: str) -> dict:
-    tree: dict = {}
-    for path, array in read_params_arrays(ckpt, list(saved_param_shapes(ckpt))):
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = array
-    return tree
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +51,7 @@ def models(tmp_path_factory):
         model.save_pretrained(hf_dir)
         import_hf_model(hf_dir, ckpt)
         config, _ = checkpoint_model_config(ckpt)
-        engine = GenerationEngine(config, ps.build_parallel_state(devices=jax.devices()[:1]), _params_tree(ckpt))
+        engine = GenerationEngine(config, ps.build_parallel_state(devices=jax.devices()[:1]), checkpoint_params(ckpt))
         out[family] = (model, engine)
     return out
 

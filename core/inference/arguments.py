@@ -8,7 +8,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from core.training.flags import TOKENIZER_TYPE_NAMES, ArgumentError, OneLineErrorParser
+from core.training.flags import ArgumentError, OneLineErrorParser, add_tokenizer_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,15 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="tensor-parallel size; data parallelism takes the rest of the devices")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPE_NAMES, default=None,
-                   help="default: HuggingFaceTokenizer from --load for a Hugging Face directory with a tokenizer.json, "
-                        "else ByteLevel")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="HuggingFaceTokenizer: a tokenizer.json or the directory holding one")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: ids below this, EOD = this id (vocabulary of this + 1)")
+    add_tokenizer_flags(g, None, "default: HuggingFaceTokenizer from --load for a Hugging Face directory with a "
+                                 "tokenizer.json, else ByteLevel")
     g = p.add_argument_group("prompts and sampling")
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     g.add_argument("--prompts-file", default=None,

@@ -55,6 +55,20 @@ def mpi_world_size_from_env() -> int:
     return 1
 
 
+MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+"""Environment variables that MPI launchers (and SLURM) set to this process's rank."""
+
+
+def mpi_rank_and_world_from_env() -> tuple[int, int]:
+    """``(this process's rank, world size)`` from the launcher's environment, without an MPI call
+    (``(0, 1)`` when not under a launcher): what a launcher script needs before it starts MPI."""
+    world = mpi_world_size_from_env()
+    for var in MPI_RANK_VARS:
+        if var in os.environ:
+            return int(os.environ[var]), world
+    return 0, world
+
+
 def choose_local_device_ids(local_rank: int, local_size: int, visible_per_local_rank: Sequence[str | None],
                             environ: Mapping[str, str] | None = None) -> list[int] | None:
     """The device ids (indices among the visible GPUs) this process should drive, or None for

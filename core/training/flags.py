@@ -5,6 +5,11 @@ validates the parsed flags."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def _list_expression(node):
@@ -68,6 +73,33 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         """Print ``error: message`` and exit with code 2."""
         self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
+def parse_on_rank_0(parse_args: Callable[[list[str] | None], argparse.Namespace], argv: list[str] | None,
+                    rank: int) -> argparse.Namespace:
+    """``parse_args(argv)`` with argparse's usage and errors (and ``--help``) printed by rank 0
+    only: the other ranks parse silently and, on a bad flag, exit with the same code once rank 0
+    has had time to print (the launcher ends the job at the first exit)."""
+    if rank == 0:
+        return parse_args(argv)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        try:
+            return parse_args(argv)
+        except SystemExit:
+            time.sleep(2.0)
+            raise
+
+
+def add_tokenizer_flags(group: Any, default_type: str | None, type_help: str) -> None:
+    """Megatron's tokenizer flags (``--tokenizer-type`` defaulting to ``default_type``, its file
+    flags and ``--vocab-size``) on an argument group."""
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPE_NAMES, default=default_type, help=type_help)
+    group.add_argument("--tokenizer-model", default=None,
+                       help="HuggingFaceTokenizer: a tokenizer.json or the directory holding one")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="NullTokenizer: ids below this, EOD = this id (vocabulary of this + 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,14 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--valid-fraction", type=float, default=0.05, help="share of a text corpus held out")
     g.add_argument("--data-cache-path", default=None,
                    help="directory of the cached sample indices (default: PREFIX/cache/GPTDataset_indices)")
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPE_NAMES, default="ByteLevel",
-                   help="ByteLevel: UTF-8 bytes + EOD 256; the others as in Megatron")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="HuggingFaceTokenizer: a tokenizer.json or the directory holding one")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer: ids below this, EOD = this id (vocabulary of this + 1)")
+    add_tokenizer_flags(g, "ByteLevel", "ByteLevel: UTF-8 bytes + EOD 256; the others as in Megatron")
     g.add_argument("--reset-position-ids", action="store_true",
                    help="restart position ids after every end-of-document token (indexed data)")
     g.add_argument("--reset-attention-mask", action="store_true",
