@@ -1,0 +1,24 @@
+"""FP8 training of the transformer's linear layers, Transformer Engine's recipes in XLA.
+
+``config`` (``FP8Config``: formats ``e4m3`` / ``hybrid``, recipes ``delayed`` / ``tensorwise``,
+Megatron's field names), ``scaling`` (tensorwise scales, the delayed-scaling state and its
+update, the amax reduction) and ``linear`` (``fp8_linear``: the FP8 GEMMs and how the amaxes
+they see reach the delayed update).
+"""
+
+from core.fp8.config import AMAX_COMPUTE_ALGOS, DY, FP8_FORMATS, FP8_RECIPES, NUM_SLOTS, FP8Config, W, X
+from core.fp8.linear import amax, fp8_linear, quantize
+from core.fp8.scaling import (
+    FLT_MAX,
+    current_scale,
+    delayed_state_shape,
+    delayed_update,
+    init_delayed_state,
+    reduce_amax,
+)
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS", "DY", "FLT_MAX", "FP8Config", "FP8_FORMATS", "FP8_RECIPES", "NUM_SLOTS", "W", "X", "amax",
+    "current_scale", "delayed_state_shape", "delayed_update", "fp8_linear", "init_delayed_state", "quantize",
+    "reduce_amax",
+]
