@@ -556,6 +556,8 @@ MODEL_FLAG_RULES: dict[str, Any] = {
     "add_bias_linear": lambda args, _: not args.disable_bias_linear,
     "share_embeddings_and_output_weights": lambda args, _: not args.untie_embeddings_and_output_weights,
     "recompute_granularity": lambda args, _: recompute_granularity(args),
+    "fp8": lambda args, _: args.fp8_format,
+    "fp8_wgrad": lambda args, _: not args.no_fp8_wgrad,
     "unroll_layers": lambda args, _: not args.scan_layers,
     "moe": lambda args, _: moe_config(args),
     "moe_layer_freq": lambda args, _: 1 if args.moe_layer_freq is None else args.moe_layer_freq,
@@ -592,5 +594,5 @@ def model_error(error: ValueError) -> ArgumentError:
         name = match.group(0)
         return _MODEL_FIELD_FLAGS.get(name, name.replace("_", "-"))
 
-    # Quoted values ('all_gather') stay as they are.
-    return ArgumentError(re.sub(r"(?<!')\b[a-z]+(?:_[a-z0-9]+)+\b(?!')", flag, str(error)))
+    # Quoted values ('all_gather') stay as they are; names may carry digits (fp8_recipe).
+    return ArgumentError(re.sub(r"(?<!')\b[a-z]+[0-9]*(?:_[a-z0-9]+)+\b(?!')", flag, str(error)))

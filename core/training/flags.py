@@ -182,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each pipeline chunk's layers as a rolled lax.scan: compile time independent of depth "
                         "(default: unrolled, faster steps)")
     g.add_argument("--bf16", action="store_true", help="compute in bfloat16 (fp32 params and optimizer)")
+    g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
+                   help="FP8 GEMMs in the transformer's linear layers (QKV, projection, fc1, fc2): e4m3 everywhere, "
+                        "or hybrid (E4M3 forward, E5M2 gradients); embeddings, output layer, norms, attention and "
+                        "loss stay in high precision (default: off)")
+    g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed",
+                   help="FP8 scaling: delayed (from an amax history; not yet supported in training) or tensorwise "
+                        "(from the current tensor)")
+    g.add_argument("--fp8-margin", type=int, default=0, help="delayed recipe: scales divided by 2^margin")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed recipe: amaxes kept per tensor")
+    g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent",
+                   help="delayed recipe: the amax a scale comes from")
+    g.add_argument("--no-fp8-wgrad", action="store_true", help="weight-gradient GEMMs in high precision under FP8")
     g = p.add_argument_group("mixture of experts (docs/moe.md; Megatron's defaults where unset)")
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (enables MoE)")
     g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=None,

@@ -135,7 +135,7 @@ class ParallelAttention(nn.Module):
         r = heads // groups
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias
         qkv, _ = ColumnParallelLinear(h, (heads + 2 * groups) * head_dim, bias=qkv_bias,
-                                      sequence_parallel=cfg.sequence_parallel,
+                                      sequence_parallel=cfg.sequence_parallel, fp8=cfg.fp8_config,
                                       init_method=init_method_normal(cfg.init_method_std), name="linear_qkv")(x)
         s, b = qkv.shape[0], qkv.shape[1]
         local_groups = qkv.shape[-1] // ((r + 2) * head_dim)
@@ -175,7 +175,7 @@ class ParallelAttention(nn.Module):
         out = jnp.transpose(out, _UNSPLIT[layout]).reshape(s, b, local_heads * head_dim)
         # Megatron scales the output projection's init by 1/sqrt(2 * num_layers).
         out, _ = RowParallelLinear(heads * head_dim, h, bias=cfg.add_bias_linear, input_is_parallel=True,
-                                   sequence_parallel=cfg.sequence_parallel,
+                                   sequence_parallel=cfg.sequence_parallel, fp8=cfg.fp8_config,
                                    init_method=init_method_normal(output_init_std(cfg)), name="linear_proj")(out)
         return out
 

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from core.fp8 import FP8Config
 from core.parallel_state import TP_AXIS
 from core.tensor_parallel.fast_vjp import gelu
 from core.tensor_parallel.layers import ColumnParallelLinear, Initializer, RowParallelLinear, default_init_method
@@ -53,6 +54,8 @@ class ParallelMLP(nn.Module):
     """``fc1``'s weight initializer (global shape)."""
     output_layer_init_method: Initializer = default_init_method
     """``fc2``'s weight initializer (global shape; Megatron scales its std by ``1/sqrt(2 L)``)."""
+    fp8: FP8Config | None = None
+    """FP8 GEMMs in ``fc1`` and ``fc2`` (``core.fp8``; None: high precision)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, dropout_fn: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
@@ -63,7 +66,7 @@ class ParallelMLP(nn.Module):
         stack = 2 if self.gated_linear_unit else 1
         h, _ = ColumnParallelLinear(self.hidden_size, self.ffn_hidden_size, bias=self.bias, sequence_parallel=sp,
                                     init_method=self.init_method, axis_name=self.axis_name, num_stacked=stack,
-                                    name="fc1")(h)
+                                    fp8=self.fp8, name="fc1")(h)
         if self.gated_linear_unit:
             gate, up = jnp.split(h, 2, axis=-1)
             h = jax.nn.silu(gate) * up
@@ -71,7 +74,7 @@ class ParallelMLP(nn.Module):
             h = gelu(h)
         h, _ = RowParallelLinear(self.ffn_hidden_size, self.hidden_size, bias=self.bias, input_is_parallel=True,
                                  sequence_parallel=sp, init_method=self.output_layer_init_method,
-                                 axis_name=self.axis_name, name="fc2")(h)
+                                 axis_name=self.axis_name, fp8=self.fp8, name="fc2")(h)
         if dropout_fn is not None:
             h = dropout_fn(h)
         elif self.hidden_dropout and not self.deterministic:

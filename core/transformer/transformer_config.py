@@ -7,6 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from core.fp8 import FP8Config
 from core.transformer.moe.moe_config import MoEConfig
 from core.transformer.recompute import RECOMPUTE_POLICIES
 
@@ -73,6 +74,21 @@ class TransformerConfig:
     of full for a fraction of its extra FLOPs; None keeps everything."""
     bf16: bool = False
     """Compute in bfloat16 (parameters, gradients and optimizer stay float32)."""
+    fp8: str | None = None
+    """FP8 GEMMs in the transformer's linear layers (QKV, attention projection, fc1, fc2; Megatron's
+    ``--fp8-format``): None (off), ``"e4m3"`` or ``"hybrid"`` (E4M3 forward, E5M2 gradients).
+    Embeddings, the output layer, norms, attention, the loss and MoE experts stay in ``compute_dtype``."""
+    fp8_recipe: str = "delayed"
+    """``"delayed"`` (amax history) or ``"tensorwise"`` (current tensor); only tensorwise runs in the
+    model so far (``validate``)."""
+    fp8_margin: int = 0
+    """Delayed recipe: scales are divided by ``2**fp8_margin``."""
+    fp8_amax_history_len: int = 1
+    """Delayed recipe: amaxes kept per tensor."""
+    fp8_amax_compute_algo: str = "most_recent"
+    """Delayed recipe: ``"most_recent"`` or ``"max"`` over the history."""
+    fp8_wgrad: bool = True
+    """Weight-gradient GEMMs in FP8 too (False: Megatron's ``--no-fp8-wgrad``)."""
     init_method_std: float = 0.02
     """Standard deviation of the normal weight init."""
     layernorm_epsilon: float = 1e-5
@@ -118,6 +134,11 @@ class TransformerConfig:
         return int(self.head_dim * self.rotary_percent)
 
     @property
+    def fp8_config(self) -> FP8Config | None:
+        """The linear layers' :class:`~core.fp8.FP8Config`, or None with FP8 off."""
+        return FP8Config.from_config(self) if self.fp8 is not None else None
+
+    @property
     def compute_dtype(self):
         """Activation dtype."""
         return jnp.bfloat16 if self.bf16 else jnp.float32
@@ -160,6 +181,11 @@ class TransformerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.fp8 is not None:
+            self.fp8_config  # noqa: B018 -- FP8Config checks the values (formats, recipes, algorithms)
+            if self.fp8_recipe == "delayed":
+                raise ValueError("fp8_recipe 'delayed' is not supported in the model yet (its scaling state is not "
+                                 "carried by the training step); use fp8_recipe 'tensorwise'")
 
     def _rope_scaling_checks(self) -> list[tuple[bool, str]]:
         """``validate``'s checks of the Llama 3.1 rope scaling (only when it is on)."""

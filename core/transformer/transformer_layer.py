@@ -59,5 +59,6 @@ class TransformerLayer(nn.Module):
         mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=sp, gated_linear_unit=cfg.swiglu,
                           bias=cfg.add_bias_linear, normalization=cfg.normalization, epsilon=cfg.layernorm_epsilon,
                           init_method=init_method_normal(cfg.init_method_std),
-                          output_layer_init_method=init_method_normal(output_init_std(cfg)), name="mlp")
+                          output_layer_init_method=init_method_normal(output_init_std(cfg)), fp8=cfg.fp8_config,
+                          name="mlp")
         return mlp(x, dropout_fn)
