@@ -75,7 +75,7 @@ class TrainingState:
 
 
 EXECUTION_FIELDS = ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
-                    "hidden_dropout", "context_parallel_size", "cp_comm_type")
+                    "hidden_dropout", "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes")
 """Model config fields a run may change on resume: numerics and execution choices."""
 
 
