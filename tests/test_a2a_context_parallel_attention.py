@@ -22,6 +22,7 @@ from core.context_parallel import (
     restore_from_cp,
 )
 from core.models.gpt import GPTConfig
+from core.training.arguments import ArgumentError, model_config, parse_args, validate_args
 
 # (cp, comm_type, hierarchical sizes (a2a, ring)).
 TYPES = [(2, "a2a", None), (4, "a2a", None), (4, "a2a+p2p", (2, 2)), (8, "a2a+p2p", (2, 4)), (8, "a2a+p2p", (4, 2))]
@@ -164,3 +165,14 @@ def test_refusals():
         GPTConfig(**base, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=(2, 4)).validate(1)
     with pytest.raises(ValueError, match="need cp_comm_type 'a2a\\+p2p'"):
         GPTConfig(**base, cp_comm_type="a2a", hierarchical_context_parallel_sizes=(2, 2)).validate(1)
+
+
+def test_flags():
+    base = ["--num-attention-heads", "4", "--hidden-size", "64", "--num-layers", "2", "--seq-length", "32",
+            "--pipeline-model-parallel-size", "1", "--context-parallel-size", "4"]
+    args = parse_args(base + ["--tensor-model-parallel-size", "1", "--cp-comm-type", "a2a+p2p",
+                              "--hierarchical-context-parallel-sizes", "2", "2"])
+    validate_args(args, 8)
+    assert (model_config(args).cp_comm_type, model_config(args).hierarchical_context_parallel_sizes) == ("a2a+p2p", (2, 2))
+    with pytest.raises(ArgumentError, match="^cp-comm-type 'a2a' needs the local attention heads"):
+        validate_args(parse_args(base + ["--tensor-model-parallel-size", "2", "--cp-comm-type", "a2a"]), 8)
