@@ -6,6 +6,8 @@ import importlib.util
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_context_parallel", ROOT / "bench" / "context_parallel.py")
 bench_cp = importlib.util.module_from_spec(_spec)
@@ -31,7 +33,9 @@ def test_quick_run_figures_and_report(tmp_path):
     assert set(res["memory_ratios"]) == set(bench_cp.COMPARED)
     assert all(0 < x < 1 for x in res["memory_ratios"].values())
     # Every type saves q, k, v, the output and the row LSE of 1/cp of the (token, head) pairs: exactly 1/cp.
-    assert res["saved_ratios"] == {comm: 0.25 for comm in bench_cp.COMPARED}
+    # (the a2a types also keep their chunk reorders' small index vectors: within 2%).
+    assert {c: res["saved_ratios"][c] for c in bench_cp.COMM_TYPES} == {comm: 0.25 for comm in bench_cp.COMM_TYPES}
+    assert all(res["saved_ratios"][c] == pytest.approx(0.25, rel=0.02) for c in bench_cp.COMPARED)
 
     assert all(_positive(total) for total in res["grid"].values())
     for comm in bench_cp.COMPARED:
