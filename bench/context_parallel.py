@@ -12,7 +12,9 @@ float32 (default 1 x 8 x seq x 64: hidden 512), forward and backward jitted as o
 attention ``core.context_parallel.context_parallel_attention`` (load-balanced, causal). The
 inputs are random, so they are not reordered: the order of the tokens changes no cost.
 
-1. **cp = 1, 2, 4, 8 at ``--seq``**, ``p2p`` (ring) and ``all_gather``: per-device memory from
+1. **cp = 1, 2, 4, 8 at ``--seq``**, ``p2p`` (ring), ``all_gather``, ``a2a`` (Ulysses: all-to-alls
+   around the backend's attention on the whole sequence with heads / cp heads) and ``a2a+p2p``
+   (all-to-all in groups of 2, the ring across cp / 2 groups), side by side: per-device memory from
    the compiled executable's ``memory_analysis()`` (arguments, outputs, temporaries; an SPMD
    program, so per device; *total* = arguments + outputs + temporaries - aliased), and the
    median step time (all of part 1's programs timed round-robin), and the bytes the forward
@@ -24,7 +26,9 @@ inputs are random, so they are not reordered: the order of the tokens changes no
    the longest sequence (a multiple of ``--granule``) whose total fits ``--budget-mib``: a
    quadratic fit of the grid's totals, checked by compiling at the pick and one granule above.
    It should grow ~linearly with cp for the ring (its blocks are ``(seq / 2cp)^2``); the
-   all-gather holds the full K/V and its gradient buffer, so it grows less than linearly.
+   all-gather holds the full K/V and its gradient buffer, so it grows less than linearly. On the
+   CPU backend ``a2a`` at seq >= 16 x 16 runs the C++ flash kernel, whose scratch
+   ``memory_analysis`` does not count (as the reference row's), so its totals are a lower bound.
 3. **Load balance** at cp = ``--balance-cp``: block products per rank from
    ``block_products`` (exact), and per-rank step time: each rank's own workload (its schedule
    of the ring, its queries against the K/V blocks it computes, run alone on one device with
@@ -75,7 +79,25 @@ from mpi_launch import start_worker_process, write_processes_report  # noqa: E40
 from timing import BenchRun, round_robin_medians, round_robin_times  # noqa: E402
 
 MIB = 1024 * 1024
-COMM_TYPES = ("p2p", "all_gather")  # as core.context_parallel.COMM_TYPES (imported with JAX, later)
+COMM_TYPES = ("p2p", "all_gather")  # the blockwise kernels (part 5's einsum blocks)
+COMPARED = COMM_TYPES + ("a2a", "a2a+p2p")  # parts 1 and 2: as core.context_parallel.COMM_TYPES (imported later)
+A2A_GROUP = 2
+"""``a2a+p2p``'s all-to-all group (``--hierarchical-context-parallel-sizes 2 cp/2``: the ring across
+``cp / 2`` groups); at cp <= 2 it is ``a2a``."""
+
+
+def hierarchical_sizes(comm_type: str, cp: int) -> tuple[int, int] | None:
+    """The ``(a2a, ring)`` sizes the benchmark runs ``a2a+p2p`` with at ``cp`` (None for the other types)."""
+    if comm_type != "a2a+p2p":
+        return None
+    a2a = min(A2A_GROUP, cp)
+    return a2a, cp // a2a
+
+
+def comm_label(comm_type: str, cp: int) -> str:
+    """The table's name of a comm type at cp (``a2a+p2p`` with its sizes)."""
+    sizes = hierarchical_sizes(comm_type, cp)
+    return comm_type if sizes is None else f"{comm_type} {sizes[0]}x{sizes[1]}"
 DEFAULT_OUT = str(ROOT / "bench" / "results" / "context_parallel_cpu.md")
 TARGET_MEMORY_RATIO = 0.3
 """Target: attention memory per device at cp=4 over cp=1."""
@@ -120,7 +142,8 @@ def attention_step(cp: int, comm_type: str, no_hops: bool = False) -> Any:
     if no_hops:
         attn = partial(ring_attention, _isolated=(cp, None))
     else:
-        attn = partial(context_parallel_attention, comm_type=comm_type)
+        attn = partial(context_parallel_attention, comm_type=comm_type,
+                       hierarchical_sizes=hierarchical_sizes(comm_type, cp))
     return _over_cp(cp, _grads(attn))
 
 
@@ -175,7 +198,8 @@ def saved_for_backward(cp: int, comm_type: str, shape: tuple[int, ...]) -> int:
 
     from core.context_parallel import context_parallel_attention
 
-    attn = partial(context_parallel_attention, comm_type=comm_type)
+    attn = partial(context_parallel_attention, comm_type=comm_type,
+                   hierarchical_sizes=hierarchical_sizes(comm_type, cp))
     counted = []
 
     def local(q, k, v):
@@ -238,17 +262,17 @@ def cp_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> list
 
     shape = programs.shape(seq)
     x = jax.ShapeDtypeStruct(shape, "float32")
-    cases = [(comm, cp, programs.step(comm, cp, seq)) for comm in COMM_TYPES for cp in cps]
+    cases = [(comm, cp, programs.step(comm, cp, seq)) for comm in COMPARED for cp in cps]
     cases.append((f"none: `causal_attention` ({attention_implementation(x, x, x)})", 1,
                   compile_for(reference_step(), shape)))
     times = round_robin_medians([partial(c, *inputs_for(c, shape)) for _, _, c in cases], reps=reps)
     rows = [{"comm": comm, "cp": cp, **memory(c), "step_s": t,
-             "saved": saved_for_backward(cp, comm, shape) if comm in COMM_TYPES else math.nan}
+             "saved": saved_for_backward(cp, comm, shape) if comm in COMPARED else math.nan}
             for (comm, cp, c), (t,) in zip(cases, times)]
     for row in rows:
         one = [r for r in rows if r["comm"] == row["comm"] and r["cp"] == 1]
-        row["ratio"] = row["total"] / one[0]["total"] if row["comm"] in COMM_TYPES else math.nan
-        row["saved_ratio"] = row["saved"] / one[0]["saved"] if row["comm"] in COMM_TYPES else math.nan
+        row["ratio"] = row["total"] / one[0]["total"] if row["comm"] in COMPARED else math.nan
+        row["saved_ratio"] = row["saved"] / one[0]["saved"] if row["comm"] in COMPARED else math.nan
     return rows
 
 
@@ -294,9 +318,9 @@ def longest_within(total_at: Callable[[int], int], seqs: Sequence[int], budget: 
 def seq_rows(programs: Programs, seqs: Sequence[int], cps: Sequence[int], budget: float, granule: int
              ) -> tuple[dict[tuple[str, int, int], int], list[dict[str, Any]]]:
     """Part 2: per-device totals on the grid, and the longest sequence within ``budget`` per comm type and cp."""
-    grid = {(comm, cp, seq): programs.total(comm, cp, seq) for comm in COMM_TYPES for cp in cps for seq in seqs}
+    grid = {(comm, cp, seq): programs.total(comm, cp, seq) for comm in COMPARED for cp in cps for seq in seqs}
     longest = []
-    for comm in COMM_TYPES:
+    for comm in COMPARED:
         for cp in cps:
             seq, confirmed = longest_within(partial(programs.total, comm, cp), seqs, budget, granule)
             longest.append({"comm": comm, "cp": cp, "seq": seq, "confirmed": confirmed,
@@ -383,7 +407,8 @@ def cp_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         ratio, saved_ratio = ("" if math.isnan(r[key]) else f"{r[key]:.3f}" for key in ("ratio", "saved_ratio"))
         saved = "" if math.isnan(r["saved"]) else _mib(r["saved"])
-        lines.append(f"| {r['comm']} | {r['cp']} | {_mib(r['args'])} | {_mib(r['out'])} | {_mib(r['temp'])} | "
+        lines.append(f"| {comm_label(r['comm'], r['cp'])} | {r['cp']} | {_mib(r['args'])} | {_mib(r['out'])} | "
+                     f"{_mib(r['temp'])} | "
                      f"{_mib(r['total'])} | {ratio} | {saved} | {saved_ratio} | {r['step_s'] * 1e3:.1f} |")
     return "\n".join(lines)
 
@@ -391,13 +416,13 @@ def cp_table(rows: list[dict[str, Any]]) -> str:
 def memory_target(rows: list[dict[str, Any]], cp: int = 4, key: str = "ratio") -> tuple[dict[str, float], bool]:
     """``key`` (``"ratio"``: the peak total; ``"saved_ratio"``: the activations saved for the
     backward) at ``cp`` over cp=1 per comm type, and whether every one is within the target."""
-    ratios = {r["comm"]: r[key] for r in rows if r["cp"] == cp and r["comm"] in COMM_TYPES}
+    ratios = {r["comm"]: r[key] for r in rows if r["cp"] == cp and r["comm"] in COMPARED}
     return ratios, bool(ratios) and all(x <= TARGET_MEMORY_RATIO for x in ratios.values())
 
 
 def seq_table(grid: dict[tuple[str, int, int], int], seqs: Sequence[int], cps: Sequence[int]) -> str:
-    cols = [(comm, cp) for comm in COMM_TYPES for cp in cps]
-    lines = ["| seq | " + " | ".join(f"{comm} cp={cp}" for comm, cp in cols) + " |",
+    cols = [(comm, cp) for comm in COMPARED for cp in cps]
+    lines = ["| seq | " + " | ".join(f"{comm_label(comm, cp)} cp={cp}" for comm, cp in cols) + " |",
              "|---|" + "---|" * len(cols)]
     lines += [f"| {seq} | " + " | ".join(_mib(grid[(comm, cp, seq)]) for comm, cp in cols) + " |" for seq in seqs]
     return "\n".join(lines)
@@ -408,8 +433,8 @@ def longest_table(rows: list[dict[str, Any]], budget: float) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         seq = f"{r['seq']}" if r["confirmed"] else f">= {r['seq']}"
-        lines.append(f"| {r['comm']} | {r['cp']} | {seq} | {_mib(r['total'])} | {r['growth']:.2f} | "
-                     f"{r['growth'] / r['cp']:.2f} |")
+        lines.append(f"| {comm_label(r['comm'], r['cp'])} | {r['cp']} | {seq} | {_mib(r['total'])} | "
+                     f"{r['growth']:.2f} | {r['growth'] / r['cp']:.2f} |")
     return "\n".join(lines)
 
 
@@ -478,7 +503,7 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--note", default="", help="a note for the report (e.g. other jobs on the cores)")
     a = p.parse_args(argv)
     if a.quick:
-        a.heads, a.head_dim, a.seq, a.cps, a.seqs = 2, 16, 256, "1,4", "256,512"
+        a.heads, a.head_dim, a.seq, a.cps, a.seqs = 4, 16, 256, "1,4", "256,512"  # a2a at cp 4: 4 heads
         a.budget_mib, a.granule, a.balance_cp, a.hide_cps = 1.0, 32, 2, "2"
         a.tile_seqs, a.tile_cps, a.tiles = "256", "2", "0,32"
         a.reps = a.balance_reps = a.hide_reps = 1
@@ -486,6 +511,8 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for seq in [a.seq, a.granule, *_ints(a.seqs), *_ints(a.tile_seqs)]:
         if seq % (2 * max(cps)):
             p.error(f"sequence length {seq} must split into 2 x cp = {2 * max(cps)} chunks")
+    if a.heads % max(_ints(a.cps)):
+        p.error(f"--heads {a.heads} must divide by the largest cp {max(_ints(a.cps))} (a2a splits the heads)")
     if 1 not in _ints(a.cps):
         p.error("--cps must include 1 (the memory ratios and growth are against it)")
     return a

@@ -337,7 +337,7 @@ def test_reorder_round_trip_and_positions():
 def test_bad_inputs():
     q = jnp.zeros((1, 4, 6, 8))
     with pytest.raises(ValueError, match="comm_type"):
-        context_parallel_attention(q, q, q, comm_type="a2a")
+        context_parallel_attention(q, q, q, comm_type="ulysses")
     odd = jnp.zeros((1, 4, 5, 8))
     for comm_type in ("p2p", "all_gather"):
         with pytest.raises(ValueError, match="even local sequence"):

@@ -28,9 +28,11 @@ def test_loss_trajectory_matches_single_device():
     np.testing.assert_allclose(losses, _reference(), rtol=1e-4)
 
 
-def test_context_parallel_loss_trajectory_matches_single_device():
-    # tp2 x cp2 x dp2 over 8 processes: the ring's K/V exchange and the seq-sharded batch cross processes.
-    extra = LLAMA + ("--context-parallel-size", "2", "--sequence-parallel")
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_context_parallel_loss_trajectory_matches_single_device(comm_type):
+    # tp2 x cp2 x dp2 over 8 processes: the ring's K/V exchange (p2p) or the q/k/v/output
+    # all-to-alls (a2a) and the seq-sharded batch cross processes.
+    extra = LLAMA + ("--context-parallel-size", "2", "--sequence-parallel", "--cp-comm-type", comm_type)
     losses = layout_losses(2, 1, jax.devices(), extra=extra)
     np.testing.assert_allclose(losses, _reference(LLAMA), rtol=1e-4)
 

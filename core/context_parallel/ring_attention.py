@@ -55,29 +55,31 @@ def kv_rotation_for(pipelined: bool) -> str:
     return "all_gather" if pipelined and jax.default_backend() == "cpu" else "ppermute"
 
 
-def _gather_hop(x, axis_name: str, rank, cp: int):
-    """The ``"all_gather"`` rotation: every rank gathers the cp axis's blocks and keeps rank
-    ``rank - 1``'s, the block ``lax.ppermute`` would have sent it (a pytree of arrays)."""
-    src = (rank - 1) % cp
+def _gather_hop(x, axis_name: str, src):
+    """The ``"all_gather"`` rotation: every rank gathers the cp axis's blocks and keeps axis index
+    ``src``'s (the previous ring rank's), the block ``lax.ppermute`` would have sent it (a pytree of arrays)."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(lax.all_gather(a, axis_name), src, 0, keepdims=False), x)
 
 
-def _topology(axis_name, isolated, kv_rotation):
+def _topology(axis_name, isolated, kv_rotation, stride=1):
     """The ring's size, this rank and the K/V hop to the next rank: from ``axis_name`` (by
     ``kv_rotation``), or, for ``isolated = (cp, rank)``, the given ones (``rank=None``: the rank
-    from ``axis_name``) and a no-op hop."""
+    from ``axis_name``) and a no-op hop. ``stride > 1``: ``stride`` rings of ``size / stride``
+    ranks, axis index ``j * stride + i`` being position ``j`` of ring ``i`` (``a2a+p2p``'s rings
+    across its a2a groups)."""
     if isolated is None:
-        cp, rank = lax.axis_size(axis_name), lax.axis_index(axis_name)
+        index = lax.axis_index(axis_name)
+        cp, rank, member = lax.axis_size(axis_name) // stride, index // stride, index % stride
         if kv_rotation == "all_gather":
-            return cp, rank, partial(_gather_hop, axis_name=axis_name, rank=rank, cp=cp)
-        perm = [(i, (i + 1) % cp) for i in range(cp)]
+            return cp, rank, partial(_gather_hop, axis_name=axis_name, src=((rank - 1) % cp) * stride + member)
+        perm = [(j * stride + i, ((j + 1) % cp) * stride + i) for j in range(cp) for i in range(stride)]
         return cp, rank, partial(lax.ppermute, axis_name=axis_name, perm=perm)
     cp, rank = isolated
     return cp, lax.axis_index(axis_name) if rank is None else rank, lambda x: x
 
 
-def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
-    cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
+def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, stride):
+    cp, rank, hop = _topology(axis_name, isolated, kv_rotation, stride)
     compute, acc = forward_steps(q, k, v, seg, keys, rank, cp, causal, load_balanced, scale, rate)
     kv = (k, v, seg)  # the K-side segment ids travel with their K/V block (None: nothing)
     # Send the block on before computing with it: the transfer can overlap the block products.
@@ -95,8 +97,8 @@ def _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, i
 
 
 def _ring_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_balanced, scale, isolated,
-                   kv_rotation, rate):
-    cp, rank, hop = _topology(axis_name, isolated, kv_rotation)
+                   kv_rotation, rate, stride):
+    cp, rank, hop = _topology(axis_name, isolated, kv_rotation, stride)
     compute, dq = backward_steps(q, k, v, seg, keys, out, lse, do, rank, cp, causal, load_balanced, scale, rate)
     kv = (k, v, seg)
     nxt = hop(kv) if cp > 1 else kv
@@ -120,23 +122,24 @@ def _ring_backward(q, k, v, seg, keys, out, lse, do, axis_name, causal, load_bal
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _ring(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
-    out, _ = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate)
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11, 12))
+def _ring(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, stride):
+    out, _ = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate,
+                           stride)
     return out.astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate):
+def _ring_fwd(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, stride):
     out, lse = _ring_forward(q, k, v, seg, keys, axis_name, causal, load_balanced, scale, isolated, kv_rotation,
-                             rate)
+                             rate, stride)
     out = out.astype(q.dtype)
     return out, (q, k, v, seg, keys, out, lse)
 
 
-def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, residuals, d_out):
+def _ring_bwd(axis_name, causal, load_balanced, scale, isolated, kv_rotation, rate, stride, residuals, d_out):
     q, k, v, seg, keys, out, lse = residuals
     dq, dk, dv = _ring_backward(q, k, v, seg, keys, out, lse, d_out, axis_name, causal, load_balanced, scale,
-                                isolated, kv_rotation, rate)
+                                isolated, kv_rotation, rate, stride)
     return dq, dk, dv, None, None  # integer segment ids and PRNG keys have no cotangent
 
 
@@ -146,7 +149,7 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", causal: bool = True,
                    load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
                    kv_rotation: str = "ppermute", segment_ids: jax.Array | None = None,
-                   dropout: tuple[jax.Array, float] | None = None,
+                   dropout: tuple[jax.Array, float] | None = None, ring_stride: int = 1,
                    _isolated: tuple[int, int | None] | None = None) -> jax.Array:
     """Context-parallel attention with K/V passed around the ring of ``axis_name`` (call inside
     ``jax.shard_map``); returns the local queries' output, shaped, laid out and typed like ``q``.
@@ -166,6 +169,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     drops attention probabilities: ``keys`` ``[b, heads]`` typed PRNG keys, one per sample and
     (global) query head, drawn per global (query, key) token index
     (:func:`~core.context_parallel.dropout.attention_dropout_mask`), so every layout agrees.
+    ``ring_stride`` ``A > 1`` runs ``A`` rings of ``size / A`` ranks over ``axis_name``, axis index
+    ``j A + i`` being position ``j`` of ring ``i`` (``a2a+p2p``, ``a2a_attention.py``); the local
+    sequence is then that ring position's chunks.
 
     ``_isolated = (cp, rank)`` is a benchmark hook (``bench/context_parallel.py``), not attention:
     it runs rank ``rank``'s schedule of a ring of ``cp`` with every K/V hop a no-op, so each step
@@ -179,5 +185,5 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str =
     seg = None if segment_ids is None else check_segment_ids(segment_ids, qg)
     keys, rate = grouped_dropout(dropout, qg)
     out = _ring(qg, k, v, seg, keys, axis_name, bool(causal), bool(load_balanced), default_scale(q, scale), _isolated,
-                kv_rotation, rate)
+                kv_rotation, rate, int(ring_stride))
     return from_grouped(out, layout)

@@ -561,6 +561,8 @@ MODEL_FLAG_RULES: dict[str, Any] = {
     "unroll_layers": lambda args, _: not args.scan_layers,
     "moe": lambda args, _: moe_config(args),
     "moe_layer_freq": lambda args, _: 1 if args.moe_layer_freq is None else args.moe_layer_freq,
+    "hierarchical_context_parallel_sizes": lambda args, _: (None if args.hierarchical_context_parallel_sizes is None
+                                                            else tuple(args.hierarchical_context_parallel_sizes)),
 }
 """How a :class:`GPTConfig` field whose flag differs in name or meaning is read, ``rule(args,
 vocab_size)``; every other field is the flag of the same name (a new model option is a

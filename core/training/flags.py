@@ -117,8 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context-parallel size: every sample's sequence split over this many ranks "
                         "(load-balanced chunks; dp = world / (tp x pp x cp))")
-    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather"], default="p2p",
-                   help="context-parallel attention: K/V passed around a ring (p2p) or all-gathered")
+    g.add_argument("--cp-comm-type", choices=["p2p", "all_gather", "a2a", "a2a+p2p"], default="p2p",
+                   help="context-parallel attention: K/V passed around a ring (p2p), all-gathered, an all-to-all "
+                        "to a head split around the backend's attention (a2a, Ulysses), or that all-to-all inside "
+                        "groups with the ring across them (a2a+p2p)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
+                   help="a2a+p2p: all-to-all group size (consecutive cp ranks) and ring size; A2A x P2P = cp")
     g.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="shard optimizer state over dp (ZeRO-1)")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,

@@ -156,7 +156,8 @@ class ParallelAttention(nn.Module):
         elif cfg.context_parallel_size > 1:
             # The local sequence is this cp rank's load-balanced chunks (the batch was reordered on
             # the host); the kernel masks by global position and exchanges K/V over "cp" (the ring
-            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for). The
+            # by all-gather on the CPU backend inside pipeline stages, see kv_rotation_for), or
+            # (a2a, a2a+p2p) exchanges q/k/v for a head split of this rank's local heads. The
             # segment ids were reordered with the tokens, so they are the local tokens' own; the
             # dropout is drawn per global (query, key) index, the values one device draws.
             dropout = None
@@ -165,7 +166,8 @@ class ParallelAttention(nn.Module):
             out = context_parallel_attention(q, k, v, comm_type=cfg.cp_comm_type, axis_name=CP_AXIS,
                                              causal=True, load_balanced=True, layout=layout,
                                              kv_rotation=kv_rotation_for(_in_pipeline_stage()),
-                                             segment_ids=ctx.segment_ids, dropout=dropout)
+                                             segment_ids=ctx.segment_ids, dropout=dropout,
+                                             hierarchical_sizes=cfg.hierarchical_context_parallel_sizes)
         else:
             keep = None
             if cfg.attention_dropout and ctx.dropout_seed is not None:

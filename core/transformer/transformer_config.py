@@ -66,7 +66,13 @@ class TransformerConfig:
     the load-balanced chunks ``r`` and ``2cp-1-r`` (``core.context_parallel``); the batch arrives
     reordered and split that way. Must match the parallel state's ``context_parallel_size``."""
     cp_comm_type: str = "p2p"
-    """How context-parallel attention exchanges K/V: ``"p2p"`` (ring) or ``"all_gather"``."""
+    """How context-parallel attention exchanges K/V: ``"p2p"`` (ring), ``"all_gather"``, ``"a2a"``
+    (Ulysses: an all-to-all from the sequence split to a head split around the backend's
+    attention; the local heads ``heads / tp`` must divide by cp) or ``"a2a+p2p"`` (the all-to-all
+    inside groups of ``hierarchical_context_parallel_sizes[0]`` ranks, the ring across them)."""
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    """``(a2a size, ring size)`` of ``cp_comm_type="a2a+p2p"`` (product: ``context_parallel_size``);
+    the local heads must divide by the a2a size. Only with ``a2a+p2p``."""
     recompute_granularity: str | None = None
     """Activation recompute in the backward (Megatron's ``--recompute-granularity``): ``"full"``
     reruns each whole layer (``jax.checkpoint``); ``"selective"`` keeps the linear layers' outputs
@@ -173,8 +179,10 @@ class TransformerConfig:
             (0.0 <= self.hidden_dropout < 1.0, f"hidden_dropout must be in [0, 1), got {self.hidden_dropout}"),
             (self.context_parallel_size >= 1,
              f"context_parallel_size must be >= 1, got {self.context_parallel_size}"),
-            (self.cp_comm_type in ("p2p", "all_gather"),
-             f"cp_comm_type must be 'p2p' or 'all_gather', got {self.cp_comm_type!r}"),
+            (self.cp_comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"),
+             f"cp_comm_type must be 'p2p', 'all_gather', 'a2a' or 'a2a+p2p', got {self.cp_comm_type!r}"),
+            *self._a2a_checks(),
+            *self._a2a_head_checks(tp),
             (self.recompute_granularity is None or self.recompute_granularity in RECOMPUTE_POLICIES,
              f"recompute_granularity must be None, 'full' or 'selective', got {self.recompute_granularity!r}"),
         ]
@@ -186,6 +194,38 @@ class TransformerConfig:
             if self.fp8_recipe == "delayed":
                 raise ValueError("fp8_recipe 'delayed' is not supported in the model yet (its scaling state is not "
                                  "carried by the training step); use fp8_recipe 'tensorwise'")
+
+    def _a2a_checks(self) -> list[tuple[bool, str]]:
+        """``validate``'s checks of ``hierarchical_context_parallel_sizes`` (only with ``a2a+p2p``)."""
+        sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        if self.cp_comm_type != "a2a+p2p":
+            return [(sizes is None, f"hierarchical_context_parallel_sizes {sizes} need cp_comm_type 'a2a+p2p', "
+                                    f"got {self.cp_comm_type!r}")]
+        if sizes is None or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+            return [(False, f"cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes of two sizes "
+                            f"(a2a, ring) whose product is context_parallel_size {cp}, got {sizes}")]
+        return []
+
+    def _a2a_head_checks(self, tp: int) -> list[tuple[bool, str]]:
+        """The local query heads (``heads / tp``) must split over the a2a group (K/V heads need not:
+        they are repeated where they do not split, see ``core.context_parallel.a2a_attention``)."""
+        a2a = self.a2a_size
+        if a2a == 1 or self.num_attention_heads % tp:
+            return []
+        local = self.num_attention_heads // tp
+        return [(local % a2a == 0, f"cp_comm_type {self.cp_comm_type!r} needs the local attention heads "
+                                   f"(num_attention_heads {self.num_attention_heads} / tensor_model_parallel_size "
+                                   f"{tp} = {local}) divisible by its all-to-all size {a2a}")]
+
+    @property
+    def a2a_size(self) -> int:
+        """How many cp ranks each all-to-all spans: cp for ``a2a``, the first hierarchical size
+        for ``a2a+p2p``, 1 (none) otherwise."""
+        if self.cp_comm_type == "a2a":
+            return self.context_parallel_size
+        if self.cp_comm_type == "a2a+p2p" and self.hierarchical_context_parallel_sizes:
+            return self.hierarchical_context_parallel_sizes[0]
+        return 1
 
     def _rope_scaling_checks(self) -> list[tuple[bool, str]]:
         """``validate``'s checks of the Llama 3.1 rope scaling (only when it is on)."""
