@@ -138,12 +138,13 @@ def attention_step(cp: int, comm_type: str, no_hops: bool = False) -> Any:
     """The benchmarked step at cp: ``context_parallel_attention`` forward and backward; ``no_hops``
     (ring only): every K/V hop a no-op, each rank running its own schedule on its local K/V."""
     from core.context_parallel import context_parallel_attention, ring_attention
+    from core.transformer.dot_product_attention import causal_attention
 
     if no_hops:
         attn = partial(ring_attention, _isolated=(cp, None))
     else:
         attn = partial(context_parallel_attention, comm_type=comm_type,
-                       hierarchical_sizes=hierarchical_sizes(comm_type, cp))
+                       hierarchical_sizes=hierarchical_sizes(comm_type, cp), local_attention=causal_attention)
     return _over_cp(cp, _grads(attn))
 
 
@@ -197,9 +198,10 @@ def saved_for_backward(cp: int, comm_type: str, shape: tuple[int, ...]) -> int:
     from jax.sharding import PartitionSpec as P
 
     from core.context_parallel import context_parallel_attention
+    from core.transformer.dot_product_attention import causal_attention
 
     attn = partial(context_parallel_attention, comm_type=comm_type,
-                   hierarchical_sizes=hierarchical_sizes(comm_type, cp))
+                   hierarchical_sizes=hierarchical_sizes(comm_type, cp), local_attention=causal_attention)
     counted = []
 
     def local(q, k, v):

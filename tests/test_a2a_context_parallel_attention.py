@@ -23,6 +23,7 @@ from core.context_parallel import (
 )
 from core.models.gpt import GPTConfig
 from core.training.arguments import ArgumentError, model_config, parse_args, validate_args
+from core.transformer.dot_product_attention import causal_attention
 
 # (cp, comm_type, hierarchical sizes (a2a, ring)).
 TYPES = [(2, "a2a", None), (4, "a2a", None), (4, "a2a+p2p", (2, 2)), (8, "a2a+p2p", (2, 4)), (8, "a2a+p2p", (4, 2))]
@@ -37,7 +38,8 @@ def hierarchical(monkeypatch):
     """Sets the hierarchical sizes the shared cp test helpers pass (they call the module's
     ``context_parallel_attention``)."""
     return lambda sizes: monkeypatch.setattr(cpa, "context_parallel_attention",
-                                             partial(context_parallel_attention, hierarchical_sizes=sizes))
+                                             partial(context_parallel_attention, hierarchical_sizes=sizes,
+                                                     local_attention=causal_attention))
 
 
 @pytest.mark.parametrize("kv_heads", [cpa.H, 2, 1], ids=["mha", "gqa-split", "gqa-repeat"])
@@ -63,7 +65,8 @@ def test_tp2(cp, comm_type, sizes):
     heads, kv_heads = 8, 4
     mesh = Mesh(np.array(jax.devices()[:2 * cp]).reshape(cp, 2), ("cp", "tp"))
     spec = P(None, "tp", "cp", None)
-    attn = partial(context_parallel_attention, comm_type=comm_type, hierarchical_sizes=sizes)
+    attn = partial(context_parallel_attention, comm_type=comm_type, hierarchical_sizes=sizes,
+                   local_attention=causal_attention)
 
     def local(q, k, v, w):
         (_, out), grads = jax.value_and_grad(lambda q, k, v: (jnp.sum(attn(q, k, v) * w), attn(q, k, v)),
@@ -99,6 +102,7 @@ def test_in_diverging_pipeline_stages(comm_type, sizes):
     cp = 2 if sizes is None else 4
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // (2 * cp), 2, cp), ("dp", "pp", "cp"))
     attn = partial(context_parallel_attention, comm_type=comm_type, kv_rotation=kv_rotation_for(True),
+                   local_attention=causal_attention,
                    hierarchical_sizes=sizes)
 
     def local(q, k, v, w):
@@ -138,6 +142,7 @@ def test_collectives_in_jaxpr():
         mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
         spec = P(None, None, "cp", None)
         fn = jax.shard_map(partial(context_parallel_attention, comm_type=comm_type, hierarchical_sizes=sizes,
+                                   local_attention=causal_attention,
                                    kv_rotation=rotation), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                            check_vma=False)
         return str(jax.make_jaxpr(fn)(*cpa._inputs()[:3]))

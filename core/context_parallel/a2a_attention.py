@@ -37,6 +37,7 @@ every other layout draws.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,6 @@ from core.context_parallel._inputs import LAYOUTS, default_scale
 from core.context_parallel.dropout import attention_dropout_mask
 from core.context_parallel.load_balance import reorder_for_cp, restore_from_cp
 from core.context_parallel.ring_attention import KV_ROTATIONS, ring_attention
-from core.transformer.dot_product_attention import causal_attention
 
 GROUP_EXCHANGES = ("ppermute", "all_gather")
 """How an exchange inside a2a groups smaller than the cp axis travels (see the module doc); an
@@ -124,7 +124,8 @@ def kv_heads_for_a2a(heads: int, kv_heads: int, group: int) -> int:
 def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = "cp", a2a_size: int | None = None,
                   causal: bool = True, load_balanced: bool = True, layout: str = "bnsd", scale: float | None = None,
                   kv_rotation: str = "ppermute", segment_ids: jax.Array | None = None,
-                  dropout: tuple[jax.Array, float] | None = None) -> jax.Array:
+                  dropout: tuple[jax.Array, float] | None = None, local_attention: Callable | None = None
+                  ) -> jax.Array:
     """All-to-all context-parallel attention (call inside ``jax.shard_map``); returns the local
     queries' output, shaped, laid out and typed like ``q``.
 
@@ -134,7 +135,11 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = 
     all-gather exchanges too). Other arguments as :func:`~core.context_parallel.ring_attention.ring_attention`:
     local q/k/v in ``layout`` (K/V may have fewer heads: GQA, see the module doc), ``load_balanced``
     (the local sequence is chunks ``r`` and ``2cp-1-r``), ``segment_ids`` ``[b, local seq]``,
-    ``dropout = (keys [b, heads], rate)``. Only causal attention (the backend's kernels are causal);
+    ``dropout = (keys [b, heads], rate)``. ``local_attention``: the backend's causal attention run
+    on the whole sequence, ``(q, k, v, layout, *, segment_ids, dropout_keep, dropout_rate)``
+    (``core.transformer.dot_product_attention.causal_attention``, which ``ParallelAttention``
+    passes; this package sits below ``core.transformer`` and does not import it). Only causal
+    attention (the backend's kernels are causal);
     raises ``ValueError`` for ``causal=False``, heads that do not split, or an ``A`` that does
     not divide the cp size.
     """
@@ -145,6 +150,9 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = 
     if not causal:
         raise ValueError("all-to-all context parallelism runs the backend's causal attention; causal=False is "
                          "not supported (use comm_type 'p2p' or 'all_gather')")
+    if local_attention is None:
+        raise ValueError("all-to-all context parallelism needs local_attention, the backend's causal attention "
+                         "(core.transformer.dot_product_attention.causal_attention)")
     cp = lax.axis_size(axis_name)
     group = cp if a2a_size is None else int(a2a_size)
     if group < 1 or cp % group:
@@ -179,7 +187,7 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = 
         keys = lax.dynamic_slice_in_dim(keys, member * (heads // group), heads // group, axis=1)  # this head group
     scale = default_scale(q, scale)
     if group == cp:
-        out = _full_sequence_attention(qh, kh, vh, layout, scale, seg, keys, rate)
+        out = _full_sequence_attention(local_attention, qh, kh, vh, layout, scale, seg, keys, rate)
     else:
         out = ring_attention(qh, kh, vh, axis_name=axis_name, causal=True, load_balanced=load_balanced, layout=layout,
                              scale=scale, kv_rotation=kv_rotation, segment_ids=seg,
@@ -187,7 +195,7 @@ def a2a_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, axis_name: str = 
     return _heads_to_seq(out, axis_name, group, layout, load_balanced, via)
 
 
-def _full_sequence_attention(q, k, v, layout, scale, seg, keys, rate):
+def _full_sequence_attention(local_attention, q, k, v, layout, scale, seg, keys, rate):
     """The backend's causal attention on the whole sequence of this rank's head group; a ``scale``
     other than ``1 / sqrt(head_dim)`` (the backend's) is folded into q."""
     native = float(q.shape[-1]) ** -0.5
@@ -197,4 +205,4 @@ def _full_sequence_attention(q, k, v, layout, scale, seg, keys, rate):
     if keys is not None:
         positions = jnp.arange(q.shape[layout.index("s")])
         keep = attention_dropout_mask(keys, positions, positions, rate)
-    return causal_attention(q, k, v, layout, segment_ids=seg, dropout_keep=keep, dropout_rate=rate)
+    return local_attention(q, k, v, layout, segment_ids=seg, dropout_keep=keep, dropout_rate=rate)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 
 from core.context_parallel.a2a_attention import a2a_attention
@@ -19,7 +21,8 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, comm
                                layout: str = "bnsd", scale: float | None = None,
                                kv_rotation: str = "ppermute", segment_ids: jax.Array | None = None,
                                dropout: tuple[jax.Array, float] | None = None,
-                               hierarchical_sizes: tuple[int, int] | None = None) -> jax.Array:
+                               hierarchical_sizes: tuple[int, int] | None = None,
+                               local_attention: Callable | None = None) -> jax.Array:
     """Attention over a sequence split across the context-parallel axis ``axis_name``, called inside
     ``jax.shard_map`` with this rank's local q/k/v; ``comm_type`` is ``"p2p"``
     (:func:`~core.context_parallel.ring_attention.ring_attention`), ``"all_gather"``
@@ -32,7 +35,9 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, comm
     it. ``segment_ids`` (``[b, local seq]`` ints in the local tokens' order, optional) add the
     document mask (``--reset-attention-mask``); ``dropout = (keys [b, heads], rate)`` the
     attention dropout, drawn per global (query, key) token index
-    (:func:`~core.context_parallel.dropout.attention_dropout_mask`). Raises ``ValueError`` for
+    (:func:`~core.context_parallel.dropout.attention_dropout_mask`). ``local_attention`` (the a2a
+    types): the backend's causal attention the head split runs
+    (``core.transformer.dot_product_attention.causal_attention``). Raises ``ValueError`` for
     an unknown ``comm_type`` or layout, mismatched shapes, (with ``load_balanced``) a local
     sequence that does not split into the rank's two chunks, ``"a2a+p2p"`` without
     ``hierarchical_sizes`` or with sizes whose product is not the cp size.
@@ -54,4 +59,5 @@ def context_parallel_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, comm
         cp = jax.lax.axis_size(axis_name)
         if a2a_size * ring_size != cp:
             raise ValueError(f"hierarchical_sizes {a2a_size} x {ring_size} must equal the {axis_name!r} size {cp}")
-    return a2a_attention(q, k, v, a2a_size=a2a_size, kv_rotation=kv_rotation, **common)
+    return a2a_attention(q, k, v, a2a_size=a2a_size, kv_rotation=kv_rotation, local_attention=local_attention,
+                         **common)

@@ -167,7 +167,8 @@ class ParallelAttention(nn.Module):
                                              causal=True, load_balanced=True, layout=layout,
                                              kv_rotation=kv_rotation_for(_in_pipeline_stage()),
                                              segment_ids=ctx.segment_ids, dropout=dropout,
-                                             hierarchical_sizes=cfg.hierarchical_context_parallel_sizes)
+                                             hierarchical_sizes=cfg.hierarchical_context_parallel_sizes,
+                                             local_attention=causal_attention)
         else:
             keep = None
             if cfg.attention_dropout and ctx.dropout_seed is not None:
