@@ -100,28 +100,9 @@ def test_in_diverging_pipeline_stages(comm_type, sizes):
     # all-to-all rendezvouses per cp group on CPU; the group exchanges and the ring take the
     # all-gather route there (kv_rotation_for).
     cp = 2 if sizes is None else 4
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // (2 * cp), 2, cp), ("dp", "pp", "cp"))
-    attn = partial(context_parallel_attention, comm_type=comm_type, kv_rotation=kv_rotation_for(True),
-                   local_attention=causal_attention,
-                   hierarchical_sizes=sizes)
-
-    def local(q, k, v, w):
-        stage = jax.lax.axis_index("pp")
-        zeros = (jnp.zeros_like(q),) * 4
-        out = jax.lax.cond(stage == 0, lambda a: (attn(*a[:3]),) + zeros[1:], lambda a: zeros, (q, k, v, w))
-        grads = jax.lax.cond(
-            stage == 1, lambda a: (zeros[0], *jax.grad(lambda *x: jnp.sum(attn(*x) * a[3]), argnums=(0, 1, 2))(*a[:3])),
-            lambda a: zeros, (q, k, v, w))
-        return tuple((o + g)[None] for o, g in zip(out, grads))
-
-    spec = P(None, None, "cp", None)
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(P("pp", None, None, "cp", None),) * 4,
-                       check_vma=False)
-    q, k, v, w = cpa._inputs()
-    outs = [restore_from_cp(x, cp, seq_axis=3) for x in jax.jit(fn)(*(reorder_for_cp(x, cp, seq_axis=2)
-                                                                     for x in (q, k, v, w)))]
-    ref_out, vjp = jax.vjp(cpa._reference, q, k, v)
-    cpa._assert_close([outs[0][0], *(g[1] for g in outs[1:])], [ref_out, *vjp(w)], atol=1e-5)
+    cpa.check_in_diverging_pipeline_stages(partial(context_parallel_attention, comm_type=comm_type,
+                                                   kv_rotation=kv_rotation_for(True), local_attention=causal_attention,
+                                                   hierarchical_sizes=sizes), cp)
 
 
 @pytest.mark.parametrize("group,via", [(4, "ppermute"), (2, "ppermute"), (2, "all_gather"), (1, "ppermute")])

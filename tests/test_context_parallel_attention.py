@@ -259,9 +259,15 @@ def test_ring_in_diverging_pipeline_stages():
     # lax.cond while stage 1 idles, then stage 1 runs its gradient in the next while stage 0
     # idles. XLA's CPU collective-permute rendezvouses all 8 devices (with "ppermute" this
     # program hangs and aborts); the rotation kv_rotation_for picks here rendezvouses per cp group.
-    cp = 2
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, cp), ("dp", "pp", "cp"))
-    attn = partial(context_parallel_attention, comm_type="p2p", kv_rotation=kv_rotation_for(True))
+    check_in_diverging_pipeline_stages(partial(context_parallel_attention, comm_type="p2p",
+                                               kv_rotation=kv_rotation_for(True)), cp=2)
+
+
+def check_in_diverging_pipeline_stages(attn, cp: int) -> None:
+    """``attn`` (local q, k, v -> out) over a dp x pp2 x cp mesh as in the pipeline executor's slot:
+    stage 0 computes the output in one ``lax.cond`` while stage 1 idles, then stage 1 the gradients
+    in the next; both equal one device's (atol 1e-5)."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // (2 * cp), 2, cp), ("dp", "pp", "cp"))
 
     def local(q, k, v, w):
         stage = jax.lax.axis_index("pp")
