@@ -31,7 +31,7 @@ from core.parallel_state import ParallelState
 from core.param_metadata import abstract_boxed_params, param_info_tree
 
 STOP_ID_SLOTS = 8
-"""Stop tokens are passed padded to a multiple of this (fewer recompiles)."""
+"""Stop tokens are passed padded to a power of two of at least this many ids (fewer recompiles)."""
 
 
 @dataclasses.dataclass

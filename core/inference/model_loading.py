@@ -120,7 +120,7 @@ def load_hf_model(load: str, state: ParallelState, bf16: bool = False) -> Loaded
     from core.models.huggingface.config_mapping import HFConversionError, gpt_config_from_hf
     from core.models.huggingface.conversion import read_hf_config
     from core.models.huggingface.safetensors_files import SafetensorsReader
-    from core.models.huggingface.weight_mapping import IGNORED_SUFFIXES, hf_names_of, param_from_hf
+    from core.models.huggingface.weight_mapping import check_every_tensor_used, param_from_hf
 
     try:
         config = gpt_config_from_hf(read_hf_config(load))
@@ -131,12 +131,7 @@ def load_hf_model(load: str, state: ParallelState, bf16: bool = False) -> Loaded
         reader = SafetensorsReader(load)
         abstract, _ = abstract_params(config, state)
         leaves = _paths(abstract)
-        expected = hf_names_of(config, [p for p, _ in leaves], config.num_layers)
-        unused = [n for n in reader.names if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-                  and not (n == "lm_head.weight" and config.share_embeddings_and_output_weights)]
-        if unused:
-            raise HFConversionError(f"tensor {unused[0]} maps to no parameter of the model config.json describes "
-                                    f"({len(unused)} such tensors)")
+        check_every_tensor_used(config, [p for p, _ in leaves], reader.names, "")
         placed = {}
         for path, like in leaves:
             placed[path] = _place(param_from_hf(config, path, like.shape, reader.get), like, config.compute_dtype)

@@ -41,7 +41,11 @@ from core.models.huggingface.config_mapping import (
     hf_config_from_gpt,
 )
 from core.models.huggingface.safetensors_files import INDEX_FILE, SINGLE_FILE, SafetensorsReader, write_safetensors
-from core.models.huggingface.weight_mapping import IGNORED_SUFFIXES, hf_names_of, hf_tensors_from_param, param_from_hf
+from core.models.huggingface.weight_mapping import (
+    check_every_tensor_used,
+    hf_tensors_from_param,
+    param_from_hf,
+)
 from core.param_metadata import abstract_boxed_params, unbox
 
 CONFIG_FILE = "config.json"
@@ -104,12 +108,7 @@ def import_hf_model(hf_dir: str, save_dir: str) -> GPTConfig:
     config = gpt_config_from_hf(hf_config)
     reader = SafetensorsReader(hf_dir)
     shapes = param_shapes(config)
-    expected = hf_names_of(config, list(shapes), config.num_layers)
-    unused = [n for n in reader.names if n not in expected and not n.endswith(IGNORED_SUFFIXES)
-              and not (n == "lm_head.weight" and config.share_embeddings_and_output_weights)]
-    if unused:
-        raise HFConversionError(f"{hf_dir}: tensor {unused[0]} maps to no parameter of the model config.json "
-                                f"describes ({len(unused)} such tensors)")
+    check_every_tensor_used(config, list(shapes), reader.names, f"{hf_dir}: ")
 
     def arrays() -> Iterator[tuple[ParamPath, np.ndarray]]:
         for path, shape in shapes.items():

@@ -14,7 +14,7 @@ reshapes are:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -135,6 +135,18 @@ def hf_tensors_from_param(config: GPTConfig, path: ParamPath, array: np.ndarray)
     for layer in range(array.shape[1]):
         names = _layer_tensor_names(path[1:], layer)
         yield from zip(names, _layer_to_hf(config, path[1:], array[0, layer]))
+
+
+def check_every_tensor_used(config: GPTConfig, paths: list[ParamPath], names: Iterable[str], where: str) -> None:
+    """Raise :class:`HFConversionError` when a tensor of the HF files (``names``) maps to no
+    parameter ``paths`` of ``config`` (a config that does not describe its weights), ignoring
+    the tensors HF keeps beside the weights and a tied model's ``lm_head.weight``."""
+    expected = hf_names_of(config, paths, config.num_layers)
+    unused = [n for n in names if n not in expected and not n.endswith(IGNORED_SUFFIXES)
+              and not (n == "lm_head.weight" and config.share_embeddings_and_output_weights)]
+    if unused:
+        raise HFConversionError(f"{where}tensor {unused[0]} maps to no parameter of the model config.json "
+                                f"describes ({len(unused)} such tensors)")
 
 
 def hf_names_of(config: GPTConfig, paths: list[ParamPath], num_layers: int) -> set[str]:
