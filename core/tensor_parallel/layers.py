@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.fp8 import FP8Config, fp8_linear
+from core.fp8 import FP8Config, fp8_linear, module_scale
 from core.parallel_state import TP_AXIS
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import linear
@@ -69,8 +69,8 @@ class ColumnParallelLinear(nn.Module):
     axis_name: str = TP_AXIS
     """Tensor-parallel mesh axis."""
     fp8: FP8Config | None = None
-    """FP8 GEMMs (``core.fp8``) when enabled; the tensorwise recipe only for now (the delayed
-    recipe's scaling state is not held by the layers yet)."""
+    """FP8 GEMMs (``core.fp8``) when enabled; under the delayed recipe the scales come from the
+    ``"fp8_scale"`` collection (:func:`core.fp8.module_scale`)."""
     num_stacked: int = 1
     """Independent projections of the same input computed as one matmul (e.g. SwiGLU's gate and
     up): above 1 the weight is ``[num_stacked, out/tp, in]`` (global ``[num_stacked, out, in]``,
@@ -104,9 +104,9 @@ class ColumnParallelLinear(nn.Module):
             b = self.param("bias", with_parallel_metadata(nn.initializers.zeros, lead_names + (self.axis_name,)),
                            lead + (out_local,), self.params_dtype).reshape(-1)
         if b is not None and not self.skip_bias_add:
-            y, b = _linear(x, weight, b, self.fp8), None
+            y, b = _linear(x, weight, b, self.fp8, module_scale(self, self.fp8)), None
         else:
-            y = _linear(x, weight, None, self.fp8)
+            y = _linear(x, weight, None, self.fp8, module_scale(self, self.fp8))
         if self.gather_output:
             y = gather_from_tensor_model_parallel_region(y, self.axis_name)
         return y, b
@@ -134,8 +134,8 @@ class RowParallelLinear(nn.Module):
     axis_name: str = TP_AXIS
     """Tensor-parallel mesh axis."""
     fp8: FP8Config | None = None
-    """FP8 GEMMs (``core.fp8``) when enabled; the tensorwise recipe only for now (the delayed
-    recipe's scaling state is not held by the layers yet)."""
+    """FP8 GEMMs (``core.fp8``) when enabled; under the delayed recipe the scales come from the
+    ``"fp8_scale"`` collection (:func:`core.fp8.module_scale`)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
@@ -148,7 +148,7 @@ class RowParallelLinear(nn.Module):
             (self.output_size, divide(self.input_size, tp)), self.params_dtype)
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, self.axis_name)
-        y = _linear(x, weight, None, self.fp8)
+        y = _linear(x, weight, None, self.fp8, module_scale(self, self.fp8))
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.axis_name)
         else:
@@ -165,14 +165,13 @@ class RowParallelLinear(nn.Module):
         return y, b
 
 
-def _linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None, fp8: FP8Config | None) -> jax.Array:
-    """``x @ weight.T (+ bias)``, with FP8 GEMMs when ``fp8`` is enabled."""
+def _linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None, fp8: FP8Config | None,
+            scale: jax.Array | None) -> jax.Array:
+    """``x @ weight.T (+ bias)``, with FP8 GEMMs when ``fp8`` is enabled (``scale``: the delayed
+    recipe's scales)."""
     if fp8 is None or not fp8.enabled:
         return linear(x, weight, bias)
-    if fp8.delayed:
-        raise NotImplementedError("the delayed FP8 recipe needs scaling state the linear layers do not hold yet; "
-                                  "use fp8_recipe='tensorwise'")
-    return fp8_linear(x, weight, bias, config=fp8)
+    return fp8_linear(x, weight, bias, config=fp8, scale=scale)
 
 
 class VocabParallelEmbedding(nn.Module):
