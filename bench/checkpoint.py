@@ -279,7 +279,7 @@ def memory(trainer: Any, loader: Any) -> dict[str, float]:
                                  if s.device == device)
     checkpointer = trainer.checkpointer
     copy = checkpointer._checkpoint_copy or checkpointer._make_checkpoint_copy(trainer.training_state())
-    copy = copy.lower(trainer.params, trainer.opt_state, trainer.moe_state).compile().memory_analysis()
+    copy = copy.lower(trainer.params, trainer.opt_state, trainer.model_state).compile().memory_analysis()
     target = loader.optimizer.global_state_abstract()
     load = loader.optimizer.conversion_program("from_global").lower(target).compile().memory_analysis()
     return {"opt_shard_mib": on_device(trainer.opt_state) / MIB, "copy_mib": copy.output_size_in_bytes / MIB,

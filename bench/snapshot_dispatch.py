@@ -66,29 +66,29 @@ def pack_by_dtype(tree: Any, specs: Any, mesh: Any) -> dict[str, Any]:
 
 
 def programs(trainer: Any) -> dict[str, Callable]:
-    """The snapshot programs compared, each ``f(params, opt_state, moe_state)``."""
+    """The snapshot programs compared, each ``f(params, opt_state, model_state)``."""
     import jax
 
     ddp, opt = trainer.ddp, trainer.optimizer
     split = jax.tree.map(ddp.checkpoint_sharding, trainer.params)
     abstract = opt.global_state_abstract()
 
-    def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
+    def gather(params: Any, opt_state: Any, model_state: Any) -> dict[str, Any]:
         state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split),
                  "opt_state": opt.state_to_global(opt_state)}
-        return state if moe_state is None else {**state, "moe_state": moe_state}
+        return state if model_state is None else {**state, "model_state": model_state}
 
     specs = {"params": jax.tree.map(lambda s: s.spec, split),
              "opt_state": jax.tree.map(lambda x: x.sharding.spec, abstract)}
-    if trainer.moe_state is not None:
-        specs["moe_state"] = jax.tree.map(lambda x: x.sharding.spec, trainer.moe_state)
+    if trainer.model_state is not None:
+        specs["model_state"] = jax.tree.map(lambda x: x.sharding.spec, trainer.model_state)
     out = {"per leaf": trainer.checkpointer._make_checkpoint_copy(trainer.training_state()),
            "packed by dtype": jax.jit(lambda *a: pack_by_dtype(gather(*a), specs, ddp.mesh))}
     device = ddp.mesh.devices.flat[0]
     if any(m.kind == "pinned_host" for m in device.addressable_memories()):
         shardings = {"params": split, "opt_state": jax.tree.map(lambda x: x.sharding, abstract)}
-        if trainer.moe_state is not None:
-            shardings["moe_state"] = jax.tree.map(lambda x: x.sharding, trainer.moe_state)
+        if trainer.model_state is not None:
+            shardings["model_state"] = jax.tree.map(lambda x: x.sharding, trainer.model_state)
         pinned = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"), shardings)
         out["per leaf, outputs in pinned host memory"] = jax.jit(
             lambda *a: jax.tree.map(lambda x: x.copy(), gather(*a)), out_shardings=pinned)
@@ -122,7 +122,7 @@ def measure(model_flags: list[str], reps: int) -> list[dict[str, Any]]:
 
     trainer = _trainer(model_flags, 1, [])
     _steps(trainer, 2)
-    args = lambda: (trainer.params, trainer.opt_state, trainer.moe_state)
+    args = lambda: (trainer.params, trainer.opt_state, trainer.model_state)
     progs = programs(trainer)
     for f in progs.values():
         jax.block_until_ready(f(*args()))

@@ -48,7 +48,7 @@ def test_snapshot_designs_measure_the_same_bytes():
     # The packed blocks hold the per-leaf snapshot's values, leaf after leaf (one device).
     trainer = bench_checkpoint._trainer(bench.SMOKE_MODEL, 1, [])
     programs = bench.programs(trainer)
-    args = (trainer.params, trainer.opt_state, trainer.moe_state)
+    args = (trainer.params, trainer.opt_state, trainer.model_state)
     leaves = jax.tree.leaves(programs["per leaf"](*args))
     blocks = programs["packed by dtype"](*args)
     for dtype, block in blocks.items():

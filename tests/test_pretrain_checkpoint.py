@@ -114,7 +114,7 @@ def test_converting_the_optimizer_state_holds_about_one_param_at_a_time(monkeypa
     state, _ = t.checkpointer.checkpoint_state(t.training_state())
     largest = max(x.nbytes for x in jax.tree.leaves(t.params))
     assert sum(x.nbytes for x in jax.tree.leaves(state["opt_state"])) > 6 * largest
-    save = t.checkpointer._checkpoint_copy.lower(t.params, t.opt_state, t.moe_state).compile().memory_analysis()
+    save = t.checkpointer._checkpoint_copy.lower(t.params, t.opt_state, t.model_state).compile().memory_analysis()
     assert save.temp_size_in_bytes < 1.5 * largest
     t.optimizer.state_from_global(state["opt_state"])
     load = t.optimizer.conversion_program("from_global").lower(state["opt_state"]).compile().memory_analysis()

@@ -21,7 +21,7 @@ BIAS = ("--num-layers", "2", "--num-experts", str(EXPERTS), "--moe-router-topk",
 
 def _bias(trainer) -> np.ndarray:
     """``[n_moe_layers, E]`` in layer order (row-major ``[vpp, pp * n_chunk]`` is layer order)."""
-    return np.asarray(trainer.moe_state["expert_bias"]).reshape(-1, EXPERTS)
+    return np.asarray(trainer.model_state["expert_bias"]).reshape(-1, EXPERTS)
 
 
 def _run(trainer, iters: int, save_to: str | None = None, save_at: int = 0) -> list[dict]:

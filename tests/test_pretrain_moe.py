@@ -94,7 +94,7 @@ def test_ep2_pp2_vpp2_logs_the_moe_metrics_of_every_virtual_stage():
                                    (1, 2, jax.devices(), ("--expert-model-parallel-size", "2",
                                                           "--virtual-pipeline-model-parallel-size", "2"))):
         trainer = layout_trainer(tp, pp, devices, iters, four + extra)
-        runs.append(([trainer.step() for _ in range(iters)], np.asarray(trainer.moe_state["expert_bias"])))
+        runs.append(([trainer.step() for _ in range(iters)], np.asarray(trainer.model_state["expert_bias"])))
     (reference, ref_bias), (records, bias) = runs
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in records], [r[key] for r in reference], rtol=1e-4)

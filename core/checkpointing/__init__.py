@@ -31,9 +31,10 @@ from core.checkpointing.files import (
     verify_checkpoint,
     why_nothing_to_load,
 )
-from core.checkpointing.restore import check_against_saved, restore_checkpoint
+from core.checkpointing.restore import check_against_saved, restore_checkpoint, saved_tree
 from core.checkpointing.saver import WRITER_NICE, CheckpointSaver, save_checkpoint
 
 __all__ = ["COMMIT_MARKER", "DEFAULT_MAX_TO_KEEP", "META_ITEM", "WRITER_NICE", "CheckpointSaver", "check_against_saved",
            "complete_steps", "incomplete_steps", "latest_step", "latest_valid_step", "load_metadata", "new_run_id",
-           "restore_checkpoint", "save_checkpoint", "step_problem", "verify_checkpoint", "why_nothing_to_load"]
+           "restore_checkpoint", "save_checkpoint", "saved_tree", "step_problem", "verify_checkpoint",
+           "why_nothing_to_load"]

@@ -70,8 +70,9 @@ class TrainingState:
     """The parameters (global arrays)."""
     opt_state: Any
     """The optimizer state in this run's layout."""
-    moe_state: Any = None
-    """The MoE expert biases (None without them)."""
+    model_state: Any = None
+    """The model's non-trainable state (``GPTModel.model_state_shape``: MoE expert biases, FP8
+    delayed-scaling state), None without any."""
 
 
 EXECUTION_FIELDS = ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
@@ -95,6 +96,28 @@ def model_record(model_config: Any) -> dict[str, Any]:
     if isinstance(record.get("moe_layer_freq"), tuple):  # as the JSON metadata reads back
         record["moe_layer_freq"] = list(record["moe_layer_freq"])
     return record
+
+
+def _model_state_entries(model_state: dict | None) -> dict[str, Any]:
+    """The model state as checkpoint entries: ``{"moe_state": {"expert_bias": ...}}`` (the format
+    of checkpoints before the FP8 state existed) and ``{"fp8_state": {"scale", "amax_history"}}``."""
+    model_state = model_state or {}
+    entries = {}
+    if "expert_bias" in model_state:
+        entries["moe_state"] = {"expert_bias": model_state["expert_bias"]}
+    if "fp8" in model_state:
+        entries["fp8_state"] = model_state["fp8"]
+    return entries
+
+
+def _model_state_from_entries(entries: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_model_state_entries` (for the entries present)."""
+    state = {}
+    if "moe_state" in entries:
+        state["expert_bias"] = entries["moe_state"]["expert_bias"]
+    if "fp8_state" in entries:
+        state["fp8"] = entries["fp8_state"]
+    return state
 
 
 def first_line(error: BaseException, limit: int = 400) -> str:
@@ -167,8 +190,9 @@ class Checkpointer:
         """``(state, metadata)`` as a checkpoint stores them: params, the optimizer state in the
         layout-independent form
         (:meth:`~core.optimizer.MegatronOptimizer.state_to_global`; not with
-        ``--no-save-optim``) and the
-        MoE expert biases (with ``--moe-router-enable-expert-bias``), in layer order; iteration,
+        ``--no-save-optim``) and the model state (``"moe_state"``: the MoE expert biases, with
+        ``--moe-router-enable-expert-bias``; ``"fp8_state"``: the FP8 scales and amax histories,
+        with ``--fp8-recipe delayed``), in layer order; iteration,
         data position, seed, layout and model shape. The arrays are new ones, computed by one
         jitted program (dispatched, not waited for): the next training step may update or donate
         the trainer's own."""
@@ -180,9 +204,8 @@ class Checkpointer:
                 "optimizer_saved": self._saves_optimizer}
         if self._checkpoint_copy is None:
             self._checkpoint_copy = self._make_checkpoint_copy(state)
-        arrays = self._checkpoint_copy(state.params, state.opt_state, state.moe_state)
-        if state.moe_state is None:
-            del arrays["moe_state"]
+        arrays = self._checkpoint_copy(state.params, state.opt_state, state.model_state)
+        arrays.update(_model_state_entries(arrays.pop("model_state")))
         return arrays, meta
 
     def _make_checkpoint_copy(self, example: TrainingState) -> Callable:
@@ -192,23 +215,24 @@ class Checkpointer:
         # form is: a save holds 1/dp of params + Adam state per device (orbax writes any sharding).
         split = jax.tree.map(self.ddp.checkpoint_sharding, example.params)
 
-        def gather(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
-            state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split), "moe_state": moe_state}
+        def gather(params: Any, opt_state: Any, model_state: Any) -> dict[str, Any]:
+            state = {"params": jax.tree.map(jax.lax.with_sharding_constraint, params, split),
+                     "model_state": model_state}
             if self._saves_optimizer:
                 state["opt_state"] = self.optimizer.state_to_global(opt_state)
             return state
 
-        def copy(params: Any, opt_state: Any, moe_state: Any) -> dict[str, Any]:
+        def copy(params: Any, opt_state: Any, model_state: Any) -> dict[str, Any]:
             # A real copy of the inputs; XLA elides it for what the program computes (the
             # optimizer state's global form), so that is not copied a second time.
-            state = jax.tree.map(jnp.copy, gather(params, opt_state, moe_state))
-            state["moe_state"] = jax.tree.map(merge_chunks, state["moe_state"])
+            state = jax.tree.map(jnp.copy, gather(params, opt_state, model_state))
+            state["model_state"] = jax.tree.map(merge_chunks, state["model_state"])
             return map_layer_leaves(merge_chunks, state, self.ddp.param_paths)
 
         if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
             return jax.jit(copy)  # merge_chunks is the identity
         # Each array keeps its sharding through the reshape (dim 1 over pp), as a load expects.
-        shardings = {"params": split, "moe_state": jax.tree.map(lambda x: x.sharding, example.moe_state)}
+        shardings = {"params": split, "model_state": jax.tree.map(lambda x: x.sharding, example.model_state)}
         if self._saves_optimizer:
             shardings["opt_state"] = jax.tree.map(lambda x: x.sharding, self.optimizer.global_state_abstract())
         return jax.jit(copy, out_shardings=shardings)
@@ -333,16 +357,36 @@ class Checkpointer:
         if load_optimizer:
             target["opt_state"] = self.optimizer.global_state_abstract()
         target = map_layer_leaves(layer_order_target, target, self.ddp.param_paths)
-        if state.moe_state is not None:
-            target["moe_state"] = jax.tree.map(layer_order_target, state.moe_state)
-        restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=not load_optimizer)
+        saved = checkpointing.saved_tree(directory, step)
+        entries = self._model_state_target(directory, step, state.model_state, saved)
+        target.update(entries)
+        # Model state this run does not keep (a bf16 run resuming a delayed-FP8 one) stays on disk.
+        partial = not load_optimizer or any(k not in target for k in saved)
+        restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=partial)
         vpp = self.layout.virtual_pipeline_model_parallel_size or 1
         restored = map_layer_leaves(lambda x: from_layer_order(x, vpp), restored, self.ddp.param_paths)
-        moe_state = state.moe_state
-        if moe_state is not None:
-            moe_state = jax.tree.map(lambda x: from_layer_order(x, vpp), restored["moe_state"])
+        model_state = state.model_state
+        if model_state is not None:
+            loaded = {k: jax.tree.map(lambda x: from_layer_order(x, vpp), restored[k]) for k in entries}
+            model_state = {**model_state, **_model_state_from_entries(loaded)}
         opt_state = self.optimizer.state_from_global(restored["opt_state"]) if load_optimizer else state.opt_state
-        return dataclasses.replace(state, params=restored["params"], opt_state=opt_state, moe_state=moe_state)
+        return dataclasses.replace(state, params=restored["params"], opt_state=opt_state, model_state=model_state)
+
+    def _model_state_target(self, directory: str, step: int, model_state: dict | None, saved: Any) -> dict:
+        """The restore targets of the run's model state, by checkpoint entry. The expert biases
+        must be in the checkpoint; the FP8 state is restored when the checkpoint holds one of the
+        same shape, else this run starts its own (a run that turns FP8 on, or changes
+        ``--fp8-amax-history-len``), with a line saying so."""
+        targets = {k: jax.tree.map(layer_order_target, v) for k, v in _model_state_entries(model_state).items()}
+        if "fp8_state" in targets:
+            try:
+                checkpointing.check_against_saved(targets["fp8_state"], saved.get("fp8_state"))
+            except (ValueError, TypeError) as e:
+                del targets["fp8_state"]
+                if self.logger:
+                    self.logger.print(f"--load {directory}: checkpoint {step} holds no usable FP8 scaling state "
+                                      f"({first_line(e)}); FP8 scales start afresh")
+        return targets
 
     def check_save_directory(self, iteration: int) -> None:
         """Raise :class:`CheckpointError` if ``--save`` holds a checkpoint of another model, one

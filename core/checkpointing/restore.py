@@ -71,6 +71,13 @@ def check_against_saved(target: Any, saved_tree: Any, partial: bool = False) -> 
         )
 
 
+def saved_tree(directory: str | os.PathLike, step: int) -> Any:
+    """The saved pytree's metadata of checkpoint ``step`` (a nested dict whose leaves carry
+    ``.shape`` and ``.dtype``), read without restoring anything."""
+    path = epath.Path(_step_dir(os.path.abspath(directory), step)) / STATE_ITEM
+    return ocp.StandardCheckpointHandler().metadata(path).tree
+
+
 def _abstract(leaf: Any) -> Any:
     """Restore target for one leaf: jax arrays become ShapeDtypeStructs with their sharding."""
     if isinstance(leaf, jax.Array):

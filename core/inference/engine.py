@@ -68,8 +68,9 @@ class ScoreResult:
 
 def inference_config(config: GPTConfig) -> GPTConfig:
     """``config`` as inference runs it: no sequence parallelism (a decode step has one token per
-    row), no recompute; the parameters are the same."""
-    return dataclasses.replace(config, sequence_parallel=False, recompute_granularity=None)
+    row), no recompute, and the linear layers in the compute dtype (an FP8-trained model decodes
+    without FP8 GEMMs, which would need its training scales); the parameters are the same."""
+    return dataclasses.replace(config, sequence_parallel=False, recompute_granularity=None, fp8=None)
 
 
 def _to_host(array: jax.Array) -> np.ndarray:

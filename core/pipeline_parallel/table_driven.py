@@ -29,6 +29,7 @@ of rank ``r`` is virtual stage ``c * pp + r``); stages keep the activation shape
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,6 +91,7 @@ def execute_stages(
     microbatch_group_size_per_vp_stage: int | None = None,
     axis_name: str = "pp",
     stage_metrics: bool = False,
+    chunk_grad_combine: Any = None,
 ) -> tuple[list[dict], Any, Any, jax.Array | None] | tuple[list[dict], Any, Any, jax.Array | None, list[dict]]:
     """The executor, for models whose first and last stages differ (embedding, output layer).
 
@@ -106,6 +108,10 @@ def execute_stages(
     and a fifth element is returned: one dict per microbatch, summed over the virtual stages
     (the forward of every (microbatch, chunk) counts once) and over ``axis_name``, so every
     pipeline rank holds the whole model's values.
+
+    ``chunk_grad_combine``: how the microbatches' chunk cotangents combine, as a pytree prefix of
+    ``chunk_params`` with ``"sum"`` (gradients; the default for everything) or ``"max"`` leaves
+    (statistics reported through cotangents, e.g. FP8 amaxes: :mod:`core.fp8.linear`).
     """
     pp, vpp = lax.axis_size(axis_name), num_model_chunks
     m = jax.tree.leaves(data)[0].shape[0]
@@ -161,6 +167,16 @@ def execute_stages(
         return (loss.astype(jnp.float32), nt, rd, zeros_sm), gp, gs, gx
 
     zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
+
+    def accumulate(acc, g, c):
+        """``acc`` with chunk ``c``'s cotangents ``g`` added (or max-combined, as ``chunk_grad_combine`` says)."""
+        if chunk_grad_combine is None:
+            return jax.tree.map(lambda a, x: a.at[c].add(x), acc, g)
+        if any(how not in ("sum", "max") for how in jax.tree.leaves(chunk_grad_combine)):
+            raise ValueError(f"chunk_grad_combine leaves must be 'sum' or 'max', got {chunk_grad_combine!r}")
+        one = lambda how, a, x: a.at[c].max(x) if how == "max" else a.at[c].add(x)
+        return jax.tree.map(lambda how, a, x: jax.tree.map(functools.partial(one, how), a, x),
+                            chunk_grad_combine, acc, g)
     zero_shared = jax.tree.map(jnp.zeros_like, shared)
 
     def record(rds, ntok, code, result):
@@ -184,7 +200,7 @@ def execute_stages(
             b_res, gp, gs, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, zero_shared, act_zero),
                                          (acts, grads, b_code))
             _, b_c, _ = unpack(b_code)
-            param_grads = jax.tree.map(lambda acc, g: acc.at[b_c].add(g), param_grads, gp)
+            param_grads = accumulate(param_grads, gp, b_c)
             shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
             rds, ntok = record(rds, ntok, b_code, b_res)
         # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).

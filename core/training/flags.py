@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or hybrid (E4M3 forward, E5M2 gradients); embeddings, output layer, norms, attention and "
                         "loss stay in high precision (default: off)")
     g.add_argument("--fp8-recipe", choices=["delayed", "tensorwise"], default="delayed",
-                   help="FP8 scaling: delayed (from an amax history; not yet supported in training) or tensorwise "
+                   help="FP8 scaling: delayed (from an amax history, Megatron's default) or tensorwise "
                         "(from the current tensor)")
     g.add_argument("--fp8-margin", type=int, default=0, help="delayed recipe: scales divided by 2^margin")
     g.add_argument("--fp8-amax-history-len", type=int, default=1, help="delayed recipe: amaxes kept per tensor")

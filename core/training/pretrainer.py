@@ -6,8 +6,8 @@ schedule or the microbatch loop, ``finalize_model_grads``, global-norm clipping 
 consumed samples, parameters and optimizer state live in the checkpoint, and the only other
 randomness, dropout, is seeded per sample from ``--seed`` and the sample's position in that
 order (``pretraining_data.dropout_seeds``), so resuming reproduces the uninterrupted run. The MoE expert
-biases (:attr:`Pretrainer.moe_state`) are model state outside the optimizer, updated after each
-step and checkpointed with the parameters.
+biases and the FP8 delayed-scaling state (:attr:`Pretrainer.model_state`) are model state outside
+the optimizer, updated after each step and checkpointed with the parameters.
 
 The run is configured by a :class:`~core.training.config.PretrainConfig` (``launch/pretrain.py``
 builds it from the flags: ``core.training.run_config.pretrain_config``); the data is
@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core.checkpointing.checkpointer import Checkpointer, TrainingState, first_line
@@ -133,29 +132,24 @@ class Pretrainer:
         self.checkpointer = Checkpointer(config.checkpoint, self.config, layout, self.ddp, self.optimizer,
                                          training.seed, logger)
         """The run's checkpoints (:class:`~core.checkpointing.checkpointer.Checkpointer`)."""
-        self.moe_state = self._init_moe_state()
-        """The model's non-trainable MoE state (``{"expert_bias": [vpp, pp * n_moe, E]}``), None
-        without ``--moe-router-enable-expert-bias``: updated after every optimizer step, checkpointed."""
+        self.model_state = self.model.init_model_state()
+        """The model's non-trainable state (:meth:`GPTModel.model_state_shape
+        <core.models.gpt.GPTModel.model_state_shape>`: ``"expert_bias"`` with
+        ``--moe-router-enable-expert-bias``, ``"fp8"`` with ``--fp8-recipe delayed``), None without
+        either: updated after every optimizer step, checkpointed."""
         m = layout.num_microbatches
         sequence_axis = CP_AXIS if state.context_parallel_size > 1 else None
         loss_fn, fb = self.model.loss_fn, None
         if layout.pipeline_model_parallel_size > 1:
             loss_fn, fb = None, functools.partial(self.model.forward_backward, num_microbatches=m)
         state_args = {}
-        if self.moe_state is not None:
-            state_args = {"model_state_specs": self.model.moe_state_spec(),
-                          "update_model_state": lambda s, report: self.model.update_moe_state(s, report, m)}
+        if self.model_state is not None:
+            state_args = {"model_state_specs": self.model.model_state_spec(),
+                          "update_model_state": lambda s, report, observed: self.model.update_model_state(
+                              s, report, observed, m)}
         self.train_step = make_train_step(self.ddp, self.optimizer, loss_fn, m, forward_backward=fb,
                                           sequence_axis=sequence_axis, **state_args)
         self.eval_step = self._make_eval_step()
-
-    def _init_moe_state(self) -> dict[str, jax.Array] | None:
-        """Zero expert biases (Megatron's initial value), split over ``"pp"`` like the MoE layers."""
-        if not self.model.has_expert_bias:
-            return None
-        specs = self.model.moe_state_spec()
-        return {k: jnp.zeros(v.shape, v.dtype, device=NamedSharding(self.state.mesh, specs[k]))
-                for k, v in self.model.moe_state_shape().items()}
 
     # -- steps -----------------------------------------------------------------------------
     def _make_eval_step(self):
@@ -163,7 +157,7 @@ class Pretrainer:
         sequence_axis = CP_AXIS if self.state.context_parallel_size > 1 else None
         # Every cp rank's loss is already the whole sequence's (eval_loss sums over "cp").
         fn = lambda p, b, s: lax.pmean(self.model.eval_loss(p, b, m, s), dp_axes)
-        state_spec = None if self.moe_state is None else self.model.moe_state_spec()
+        state_spec = self.model.model_state_spec()
         programs: dict[Any, Callable] = {}
 
         def eval_step(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
@@ -173,7 +167,7 @@ class Pretrainer:
                 programs[key] = jax.jit(jax.shard_map(fn, mesh=self.state.mesh,
                                                       in_specs=(self.ddp.param_specs, specs, state_spec),
                                                       out_specs=P(), check_vma=False))
-            return programs[key](params, batch, self.moe_state)
+            return programs[key](params, batch, self.model_state)
 
         return eval_step
 
@@ -190,11 +184,11 @@ class Pretrainer:
         with self.timers("batch-generator"):
             batch = self.data.next_train_batch()
         with self.timers("step-dispatch"):  # returns once queued: the device's time shows in device-wait
-            if self.moe_state is None:
+            if self.model_state is None:
                 self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, batch)
             else:
-                self.params, self.opt_state, metrics, self.moe_state = self.train_step(self.params, self.opt_state,
-                                                                                       batch, self.moe_state)
+                self.params, self.opt_state, metrics, self.model_state = self.train_step(
+                    self.params, self.opt_state, batch, self.model_state)
         self.iteration += 1
         lr = float(self.learning_rates[min(self.iteration, len(self.learning_rates)) - 1])
         return {"iteration": self.iteration, "consumed_samples": self.data.sampler.consumed_samples,
@@ -255,7 +249,7 @@ class Pretrainer:
     def training_state(self) -> TrainingState:
         """The run's state as a checkpoint stores it."""
         return TrainingState(self.iteration, self.data.sampler.consumed_samples, self.params, self.opt_state,
-                             self.moe_state)
+                             self.model_state)
 
     def save(self, directory: str | None = None) -> None:
         """Checkpoint this iteration to ``directory`` (default ``--save``): :meth:`Checkpointer.save
@@ -269,7 +263,7 @@ class Pretrainer:
         restored = self.checkpointer.load(directory, self.training_state(), load_optimizer, step, finetune)
         if restored is None:
             return False
-        self.params, self.opt_state, self.moe_state = restored.params, restored.opt_state, restored.moe_state
+        self.params, self.opt_state, self.model_state = restored.params, restored.opt_state, restored.model_state
         if not finetune:
             self.iteration = restored.iteration
             position = {"consumed_samples": restored.consumed_samples, "seed": self.training.seed}

@@ -93,13 +93,18 @@ def make_train_step(model: DistributedDataParallel, optimizer: MegatronOptimizer
     A loss function that returns a mean must itself return ``cp`` times its share of it.
 
     ``model_state_specs`` (with ``update_model_state``): the model also has non-trainable state
-    (e.g. the MoE expert biases), a pytree of global arrays split as these specs say, which is not
-    a parameter (no gradient, optimizer or checkpoint shard of its own). The step is
-    ``step(params, opt_state, batch, model_state[, rng]) -> (params, opt_state, metrics,
+    (the MoE expert biases, the FP8 delayed-scaling state), a pytree of global arrays split as
+    these specs say, which is not a parameter (no optimizer or checkpoint shard of its own). The
+    step is ``step(params, opt_state, batch, model_state[, rng]) -> (params, opt_state, metrics,
     model_state)``; the loss function gets it as ``loss_fn(params, microbatch[, rng],
-    model_state=...)`` (``forward_backward(params, batch[, rng], model_state=...)``), and after
-    the optimizer step ``update_model_state(model_state, local_report)`` (inside ``shard_map``)
-    returns the new state from this rank's report, averaged over its microbatches only.
+    model_state=...)`` (``forward_backward(params, batch[, rng], model_state=...)``, which then
+    returns a fifth item, ``observed`` below). The loss is differentiated with respect to the
+    state too: its cotangents are statistics the model reports through it (the FP8 scales'
+    cotangents are the amaxes their GEMMs saw, :mod:`core.fp8.linear`; state that only steers
+    the forward, like the expert bias, gets zeros), combined over the microbatches with ``max``,
+    not summed. After the optimizer step ``update_model_state(model_state, local_report,
+    observed)`` (inside ``shard_map``) returns the new state from this rank's report, averaged
+    over its microbatches only, and those combined cotangents.
 
     MoE auxiliary losses enter the backward through
     :func:`~core.transformer.moe.moe_utils.attach_aux_loss` with the scale this step sets
@@ -197,9 +202,10 @@ def _microbatch_objective(loss_fn: LossFn, m: int, per_token: bool, sequence_axi
 def _microbatch_grads(model: DistributedDataParallel, loss_fn: LossFn, params: Any, batch: Any,
                       num_microbatches: int, per_token: bool, sequence_axis: str | None, rng: jax.Array | None,
                       model_state_kwargs: dict, reduce: Callable[[list], Any] | None = None
-                      ) -> tuple[Any, jax.Array, jax.Array, dict]:
-    """Accumulated local grads, loss value (the microbatches' mean, or their summed loss per
-    token), token count and report (averaged over the microbatches).
+                      ) -> tuple[tuple[Any, jax.Array, jax.Array, dict], Any]:
+    """``((grads, loss, tokens, report), observed)``: accumulated local grads, loss value (the
+    microbatches' mean, or their summed loss per token), token count and report (averaged over
+    the microbatches), and the model state's cotangents combined with max (None without state).
 
     With ``reduce`` (Megatron-FSDP ``optim_grads``) each microbatch's grad leaves go through it
     right after the backward and the accumulated values are what it returns, in fp32 (this rank's
@@ -209,20 +215,25 @@ def _microbatch_grads(model: DistributedDataParallel, loss_fn: LossFn, params: A
     mbs = (split_microbatches(batch, m), jnp.arange(m))
     objective = _microbatch_objective(loss_fn, m, per_token, sequence_axis)
 
+    model_state = model_state_kwargs.get("model_state")
+
     def one(mb_index):
         mb, index = mb_index
         args = (mb,) if rng is None else (mb, jax.random.fold_in(rng, index))
         # MoE aux losses get the LM loss's per-microbatch weight (None: no weight per token).
         with moe_aux_loss_scale(None if per_token else 1.0 / m):
-            (_, (loss, tokens, report)), g = jax.value_and_grad(
-                lambda p: objective(p, *args, **model_state_kwargs), has_aux=True)(params)
+            (_, (loss, tokens, report)), (g, observed) = jax.value_and_grad(
+                lambda p, s: objective(p, *args, **({} if s is None else {"model_state": s})),
+                argnums=(0, 1), has_aux=True)(params, model_state)
         g = jax.tree.map(lambda x: x.astype(grad_dtype or x.dtype), g)
         if reduce is not None:
             g = jax.tree.map(lambda x: x.astype(jnp.float32), reduce(jax.tree.leaves(g)))
-        return g, jnp.asarray(loss, jnp.float32), jnp.asarray(tokens, jnp.float32), report
+        return (g, jnp.asarray(loss, jnp.float32), jnp.asarray(tokens, jnp.float32), report), observed
 
     def add(carry, mb):
-        return jax.tree.map(jnp.add, carry, one(mb)), None
+        (sums, observed), (new_sums, new_observed) = carry, one(mb)
+        # Gradients, losses and reports add up; the state's cotangents are statistics (max).
+        return (jax.tree.map(jnp.add, sums, new_sums), jax.tree.map(jnp.maximum, observed, new_observed)), None
 
     first = jax.tree.map(lambda x: x[0], mbs)
     if m == 1:
@@ -261,24 +272,24 @@ def _step_body(model: DistributedDataParallel, optimizer: MegatronOptimizer, los
         if forward_backward is None:
             return _microbatch_grads(model, loss_fn, params, batch, num_microbatches, per_token, sequence_axis,
                                      rng, model_state_kwargs, reduce_microbatch if per_microbatch else None)
-        grads, loss, tokens, report = forward_backward(params, batch, *(() if rng is None else (rng,)),
-                                                       **model_state_kwargs)
+        grads, loss, tokens, report, *observed = forward_backward(params, batch, *(() if rng is None else (rng,)),
+                                                                  **model_state_kwargs)
         grads = jax.tree.map(lambda g: g.astype(grad_dtype or g.dtype), grads)
-        return grads, loss, jnp.asarray(tokens, jnp.float32), report
+        return (grads, loss, jnp.asarray(tokens, jnp.float32), report), (observed[0] if observed else None)
 
     def body(params, opt_state, batch, *rest):
         model_state = rest[0] if update_model_state is not None else None
         rng = rest[-1] if len(rest) > (update_model_state is not None) else None
         rng = None if rng is None else fold_rng_over_axis(rng, dp_axes)  # the rank's key
-        # The state is an input closed over by the loss: no gradient flows to it, no optimizer sees it.
+        # The state is an input of the loss, differentiated for the statistics it reports; no optimizer sees it.
         kwargs = {} if update_model_state is None else {"model_state": model_state}
-        grads, loss, tokens, local_report = local_grads(params, batch, rng, kwargs)
+        (grads, loss, tokens, local_report), observed = local_grads(params, batch, rng, kwargs)
         new_params, new_opt, metrics = update(params, opt.state_to_local(opt_state), grads, loss, tokens)
         metrics["report"] = jax.tree.map(lambda v: lax.pmean(v, dp_axes), local_report)
         out = (new_params, opt.state_from_local(new_opt), metrics)
         if update_model_state is None:
             return out
-        return (*out, update_model_state(model_state, local_report))
+        return (*out, update_model_state(model_state, local_report, observed))
 
     def update(params, opt_state, grads, loss, tokens):
         leaves = jax.tree.leaves(params)

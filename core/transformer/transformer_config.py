@@ -85,8 +85,8 @@ class TransformerConfig:
     ``--fp8-format``): None (off), ``"e4m3"`` or ``"hybrid"`` (E4M3 forward, E5M2 gradients).
     Embeddings, the output layer, norms, attention, the loss and MoE experts stay in ``compute_dtype``."""
     fp8_recipe: str = "delayed"
-    """``"delayed"`` (amax history) or ``"tensorwise"`` (current tensor); only tensorwise runs in the
-    model so far (``validate``)."""
+    """``"delayed"`` (scales from an amax history: model state carried and updated by the training
+    step) or ``"tensorwise"`` (scales from the current tensor)."""
     fp8_margin: int = 0
     """Delayed recipe: scales are divided by ``2**fp8_margin``."""
     fp8_amax_history_len: int = 1
@@ -191,9 +191,6 @@ class TransformerConfig:
                 raise ValueError(message)
         if self.fp8 is not None:
             self.fp8_config  # noqa: B018 -- FP8Config checks the values (formats, recipes, algorithms)
-            if self.fp8_recipe == "delayed":
-                raise ValueError("fp8_recipe 'delayed' is not supported in the model yet (its scaling state is not "
-                                 "carried by the training step); use fp8_recipe 'tensorwise'")
 
     def _a2a_checks(self) -> list[tuple[bool, str]]:
         """``validate``'s checks of ``hierarchical_context_parallel_sizes`` (only with ``a2a+p2p``)."""

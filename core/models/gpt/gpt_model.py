@@ -39,11 +39,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from core.context_parallel import cp_positions
 from core.distributed.fsdp.unit_gather import ParamGather
 from core.distributed.loss_normalization import sequence_mean
+from core.models.gpt import fp8_state
 from core.models.gpt.gpt_config import GPTConfig
 from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_model_loss_terms
 from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS, ParallelState
@@ -130,7 +132,80 @@ class GPTModel:
             stacked[kind] = stack(*[stack(*chunk) for chunk in chunks])
         return stacked
 
-    # -- non-trainable MoE state (aux-loss-free expert bias) -----------------------------------
+    def layer_kinds(self) -> list[tuple[str, Any, int]]:
+        """``(kind, layer module, layers of that kind per chunk)`` of the kinds the model has:
+        ``"dense"`` only, or with MoE those of ``"dense"`` and ``"moe"`` that occur."""
+        if self.moe_layer is None:
+            return [("dense", self.layer, self.layers_per_chunk)]
+        counts = {"dense": self.chunk_moe_pattern.count(False), "moe": self.chunk_moe_pattern.count(True)}
+        return [(kind, layer, counts[kind]) for kind, layer in (("dense", self.layer), ("moe", self.moe_layer))
+                if counts[kind]]
+
+    # -- non-trainable model state: MoE expert biases, FP8 delayed scaling ----------------------
+    @property
+    def has_fp8_state(self) -> bool:
+        """Whether the linear layers keep FP8 delayed-scaling state (``--fp8-recipe delayed``)."""
+        fp8 = self.config.fp8_config
+        return fp8 is not None and fp8.delayed
+
+    def model_state_shape(self) -> dict[str, Any] | None:
+        """Global shapes of the model's non-trainable state, None without any: ``"expert_bias"``
+        (:meth:`moe_state_shape`) with the expert bias, ``"fp8"`` (:mod:`core.models.gpt.fp8_state`)
+        under FP8 delayed scaling. The training step feeds it to every forward, differentiates the
+        loss with respect to it (the FP8 scales' cotangents are the amaxes their GEMMs saw) and
+        updates it after the optimizer step (:meth:`update_model_state`)."""
+        shapes = {}
+        if self.has_expert_bias:
+            shapes.update(self.moe_state_shape())
+        if self.has_fp8_state:
+            shapes["fp8"] = self._fp8_state_shape
+        return shapes or None
+
+    @functools.cached_property
+    def _fp8_state_shape(self) -> dict[str, Any]:
+        return fp8_state.fp8_state_shape(self)
+
+    def model_state_spec(self) -> dict[str, Any] | None:
+        """The ``shard_map`` specs of :meth:`model_state_shape`'s arrays (dim 1 over ``"pp"``)."""
+        shapes = self.model_state_shape()
+        if shapes is None:
+            return None
+        specs = {"expert_bias": self.moe_state_spec()["expert_bias"]} if self.has_expert_bias else {}
+        if "fp8" in shapes:
+            specs["fp8"] = fp8_state.fp8_state_spec(shapes["fp8"])
+        return specs
+
+    def init_model_state(self) -> dict[str, Any] | None:
+        """The initial model state (global arrays): zero expert biases (Megatron's), unit FP8
+        scales and zero amax histories (Transformer Engine's); None without state."""
+        shapes = self.model_state_shape()
+        if shapes is None:
+            return None
+
+        def init():
+            state = {"expert_bias": jnp.zeros(shapes["expert_bias"].shape, jnp.float32)} if self.has_expert_bias else {}
+            if "fp8" in shapes:
+                state["fp8"] = fp8_state.init_fp8_state(shapes["fp8"])
+            return state
+
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.state.mesh, spec), self.model_state_spec())
+        return jax.jit(init, out_shardings=shardings)()
+
+    def update_model_state(self, model_state: dict, local_report: dict, observed: dict | None,
+                           num_microbatches: int) -> dict:
+        """The model state after an optimizer step (inside ``shard_map``): the expert biases from
+        the step's routed tokens (:meth:`update_moe_state`), the FP8 state from the amaxes its
+        GEMMs saw (``observed``: the state's cotangents, combined over the microbatches with max;
+        :func:`~core.models.gpt.fp8_state.update_fp8_state`)."""
+        new = {}
+        if "expert_bias" in model_state:
+            new.update(self.update_moe_state({"expert_bias": model_state["expert_bias"]}, local_report,
+                                             num_microbatches))
+        if "fp8" in model_state:
+            new["fp8"] = fp8_state.update_fp8_state(model_state["fp8"], observed["fp8"]["scale"],
+                                                    self.config.fp8_config, fp8_state.amax_axes(self.state.mesh))
+        return new
+
     @property
     def has_expert_bias(self) -> bool:
         """Whether the MoE routers carry an expert bias (``moe_router_enable_expert_bias``)."""
@@ -181,7 +256,7 @@ class GPTModel:
         return gather.gather_ahead(params, gather.infos_at(path), self.config.compute_dtype, stacked)
 
     def _run_dense_layers_fsdp(self, chunk_layers: Any, x: jax.Array, ctx: LayerContext,
-                               index: jax.Array) -> jax.Array:
+                               index: jax.Array, scales: Any = None) -> jax.Array:
         """The chunk's dense layers under FSDP, as a scan whose iteration ``j`` issues the gather of
         layer ``j + 1`` before running layer ``j`` on the copy gathered by iteration ``j - 1``
         (double buffering: two layers' gathered parameters exist at a time, and the collective has
@@ -192,14 +267,16 @@ class GPTModel:
 
         def body(carry, xs):
             h, ahead = carry
-            params, layer_index, j = xs
+            params, layer_index, j, scale = xs
             upcoming = self._gather_ahead(layer_at(jnp.minimum(j + 1, n - 1)), ("layers",), stacked=2)
-            apply = lambda p, h: self.layer.apply({"params": p}, h, ctx.replace(layer_index=layer_index))
-            h = self._run_unit(apply, params, h, ("layers",), stacked=2, prefetched=ahead)
+            # The FP8 scales travel with the activations: the unit's VJP differentiates x only.
+            apply = lambda p, hs: self.layer.apply({"params": p, **fp8_state.scale_variables(hs[1])}, hs[0],
+                                                   ctx.replace(layer_index=layer_index))
+            h = self._run_unit(apply, params, (h, scale), ("layers",), stacked=2, prefetched=ahead)
             return (h, upcoming), None
 
         first = self._gather_ahead(layer_at(0), ("layers",), stacked=2)
-        xs = (chunk_layers, index, jnp.arange(n))
+        xs = (chunk_layers, index, jnp.arange(n), scales)
         return lax.scan(body, (x, first), xs, unroll=self.config.unroll_layers)[0][0]
 
     def _cast(self, tree: Any) -> Any:
@@ -233,12 +310,15 @@ class GPTModel:
         return x.astype(self.config.compute_dtype)
 
     def run_layers(self, chunk_layers: Any, x: jax.Array, microbatch: dict | None = None,
-                   first_layer: int | jax.Array = 0, chunk_bias: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   first_layer: int | jax.Array = 0, chunk_bias: jax.Array | None = None,
+                   chunk_scales: Any = None) -> tuple[jax.Array, dict]:
         """The layers of one model chunk; ``first_layer`` is the chunk's first global layer index
-        (its dropout keys use it). Returns ``(x, stats)``: ``stats`` is empty for a dense model;
-        with MoE layers it holds this rank's shares of the chunk's MoE losses summed over its layers
-        (``"aux_loss"``, ``"z_loss"``, and ``"total"``, cp times their sum, which enters the
-        objective) and ``"tokens_per_expert"`` ``[n_moe, E]`` (this rank's routed tokens).
+        (its dropout keys use it); ``chunk_scales``: the chunk's FP8 scales (its slice of the
+        ``"fp8"`` model state's ``"scale"``, under delayed scaling). Returns ``(x, stats)``:
+        ``stats`` is empty for a dense model; with MoE layers it holds this rank's shares of the
+        chunk's MoE losses summed over its layers (``"aux_loss"``, ``"z_loss"``, and ``"total"``,
+        cp times their sum, which enters the objective) and ``"tokens_per_expert"`` ``[n_moe, E]``
+        (this rank's routed tokens).
 
         Dense layers (params stacked ``[L/(pp*vpp), ...]``) run as a scan. A MoE model's chunk
         (params ``{"dense", "moe"}`` stacked per kind; ``chunk_bias`` ``[n_moe, E]``: the chunk's
@@ -249,15 +329,17 @@ class GPTModel:
         if self.moe_layer is None:
             index = first_layer + jnp.arange(self.layers_per_chunk, dtype=jnp.int32)
             if self.param_gather is not None:
-                return self._run_dense_layers_fsdp(chunk_layers, x, ctx, index), {}
-            body = lambda h, xs: (self.layer.apply({"params": xs[0]}, h, ctx.replace(layer_index=xs[1])), None)
+                return self._run_dense_layers_fsdp(chunk_layers, x, ctx, index, chunk_scales), {}
+            body = lambda h, xs: (self.layer.apply({"params": xs[0], **fp8_state.scale_variables(xs[2])}, h,
+                                                   ctx.replace(layer_index=xs[1])), None)
             body = with_recompute(body, self.config.recompute_granularity)
-            return lax.scan(body, x, (chunk_layers, index), unroll=self.config.unroll_layers)[0], {}
+            return lax.scan(body, x, (chunk_layers, index, chunk_scales), unroll=self.config.unroll_layers)[0], {}
         count = {"dense": 0, "moe": 0}
         auxes = []
         for j, is_moe in enumerate(self.chunk_moe_pattern):
             kind = "moe" if is_moe else "dense"
             p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk_layers[kind])
+            scales = None if chunk_scales is None else jax.tree.map(lambda a, i=count[kind]: a[i], chunk_scales[kind])
             count[kind] += 1
             layer = self.moe_layer if is_moe else self.layer
             variables = {}
@@ -265,14 +347,16 @@ class GPTModel:
                 bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
                 variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
 
+            # The FP8 scales travel with the activations (an FSDP unit's VJP differentiates x only).
+            def apply(p, hs, c, layer=layer, v=variables):
+                return layer.apply({"params": p, **v, **fp8_state.scale_variables(hs[1])}, hs[0], c)
+
             if self.param_gather is None:
-                fn = lambda p, h, c, layer=layer, v=variables: layer.apply({"params": p, **v}, h, c)
-                fn = with_recompute(fn, self.config.recompute_granularity)
+                fn = with_recompute(apply, self.config.recompute_granularity)
             else:
-                def fn(p, h, c, layer=layer, v=variables, kind=kind):
-                    apply = lambda p, h: layer.apply({"params": p, **v}, h, c)
-                    return self._run_unit(apply, p, h, ("layers", kind), stacked=2)
-            out = fn(p, x, ctx.replace(layer_index=first_layer + j))
+                def fn(p, hs, c, apply=apply, kind=kind):
+                    return self._run_unit(lambda p, hs: apply(p, hs, c), p, hs, ("layers", kind), stacked=2)
+            out = fn(p, (x, scales), ctx.replace(layer_index=first_layer + j))
             if is_moe:
                 x, aux = out
                 auxes.append(aux)
@@ -330,7 +414,8 @@ class GPTModel:
         values of :meth:`moe_metrics` (empty for a dense model); the MoE aux and z losses enter
         the gradient through the hidden states (:func:`~core.transformer.moe.moe_utils.attach_aux_loss`,
         weighted by the training step's ``moe_aux_loss_scale``), not the returned loss.
-        ``model_state``: :meth:`moe_state_shape`'s local arrays, needed with the expert bias."""
+        ``model_state``: :meth:`model_state_shape`'s local arrays, needed with the expert bias or
+        FP8 delayed scaling."""
         if self.pp > 1:
             raise ValueError("loss_fn runs the whole model on one stage; use forward_backward with pipelining")
         x, stats = self._hidden_states(params, microbatch, model_state)
@@ -347,8 +432,9 @@ class GPTModel:
         x = self.embed(params, microbatch)
         stats = []
         for c in range(self.vpp):  # without pipelining chunk c is virtual stage c
-            x, st = self.run_layers(jax.tree.map(lambda a, c=c: a[c], params["layers"]), x, microbatch,
-                                    c * self.layers_per_chunk, _chunk_bias(model_state, c))
+            take = lambda tree, c=c: jax.tree.map(lambda a: a[c], tree)
+            x, st = self.run_layers(take(params["layers"]), x, microbatch, c * self.layers_per_chunk,
+                                    *_chunk_state(take(model_state)))
             stats.append(st)
         return x, stats
 
@@ -412,11 +498,11 @@ class GPTModel:
         shape = self.activation_shape(micro_batch_size)
         dtype = self.config.compute_dtype
 
-        def stage_step(chunk_and_bias, shared, mb, received, vs):
-            chunk, bias = chunk_and_bias
+        def stage_step(chunk_and_state, shared, mb, received, vs):
+            chunk, chunk_state = chunk_and_state
             received = jnp.broadcast_to(received, shape).astype(dtype)
             x = lax.cond(vs == 0, lambda: self.embed(shared, mb), lambda: received)
-            y, stats = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk, bias)
+            y, stats = self.run_layers(chunk, x, mb, vs * self.layers_per_chunk, *_chunk_state(chunk_state))
             if self.moe_layer is not None:  # the MoE losses' gradient enters through the chunk's output
                 y = attach_aux_loss(y, stats["total"], aux_loss_scale)
             loss = lax.cond(vs == last,
@@ -449,20 +535,25 @@ class GPTModel:
         are those of that mean (the per-microbatch normalisation); ``num_tokens`` is zero (no
         per-token normalisation with pipelining); ``report`` is :meth:`moe_metrics` averaged over
         the microbatches on every rank (each virtual stage's share, summed by the executor over the
-        stages; empty for a dense model). ``model_state``: the local expert biases, which travel
-        with each chunk's layers (their zero gradient is dropped)."""
+        stages; empty for a dense model). ``model_state`` (:meth:`model_state_shape`'s local
+        arrays) travels with each chunk's layers; with it a fifth item is returned, the state's
+        cotangent combined over the microbatches with max (the FP8 scales': the amaxes their
+        GEMMs saw; None when ``forward_only``)."""
         m = num_microbatches
         moe = self.moe_layer is not None
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        bias = None if model_state is None else model_state["expert_bias"]
         losses, g_chunks, g_shared, _, *stage = execute_stages(
-            self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], bias), shared,
-            num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe)
+            self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], model_state), shared,
+            num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe,
+            chunk_grad_combine=("sum", "max"))
         loss = lax.psum(sum(d["lm loss"] for d in losses) / m, PP_AXIS)  # zeros except on the last stage
         grads = None if forward_only else {"layers": g_chunks[0], **g_shared}
         report = _sum_sequence_shares(jax.tree.map(lambda *v: sum(v) / m, *stage[0])) if moe else {}
-        return grads, loss, jnp.zeros((), jnp.float32), report
+        out = (grads, loss, jnp.zeros((), jnp.float32), report)
+        if model_state is None:
+            return out
+        return (*out, None if forward_only else g_chunks[1])
 
     def eval_loss(self, params: dict, batch: dict, num_microbatches: int,
                   model_state: dict | None = None) -> jax.Array:
@@ -480,9 +571,11 @@ class GPTModel:
         return jnp.mean(lax.map(one, split_microbatches(batch, num_microbatches)))
 
 
-def _chunk_bias(moe_state: dict | None, chunk: int) -> jax.Array | None:
-    """Model chunk ``chunk``'s local expert biases ``[n_moe, E]`` (None without MoE state)."""
-    return None if moe_state is None else moe_state["expert_bias"][chunk]
+def _chunk_state(chunk_state: dict | None) -> tuple[jax.Array | None, Any]:
+    """A model chunk's slice of the model state as :meth:`GPTModel.run_layers` takes it: its
+    expert biases ``[n_moe, E]`` and its FP8 scales (each None when absent)."""
+    chunk_state = chunk_state or {}
+    return chunk_state.get("expert_bias"), fp8_state.chunk_scales(chunk_state.get("fp8"))
 
 
 def _sum_sequence_shares(metrics: dict) -> dict:
