@@ -81,9 +81,10 @@ class TransformerConfig:
     bf16: bool = False
     """Compute in bfloat16 (parameters, gradients and optimizer stay float32)."""
     fp8: str | None = None
-    """FP8 GEMMs in the transformer's linear layers (QKV, attention projection, fc1, fc2; Megatron's
-    ``--fp8-format``): None (off), ``"e4m3"`` or ``"hybrid"`` (E4M3 forward, E5M2 gradients).
-    Embeddings, the output layer, norms, attention, the loss and MoE experts stay in ``compute_dtype``."""
+    """FP8 GEMMs in the transformer's linear layers (QKV, attention projection, fc1, fc2, the MoE
+    experts' fc1/fc2 and the shared expert's; Megatron's ``--fp8-format``): None (off), ``"e4m3"``
+    or ``"hybrid"`` (E4M3 forward, E5M2 gradients). Embeddings, the output layer, norms, attention,
+    the MoE router and the loss stay in ``compute_dtype``."""
     fp8_recipe: str = "delayed"
     """``"delayed"`` (scales from an amax history: model state carried and updated by the training
     step) or ``"tensorwise"`` (scales from the current tensor)."""

@@ -54,7 +54,8 @@ class TransformerLayer(nn.Module):
         if self.moe:
             block = MoEBlock(cfg.moe, cfg.hidden_size, sequence_parallel=sp, normalization=cfg.normalization,
                              epsilon=cfg.layernorm_epsilon, init_method=init_method_normal(cfg.init_method_std),
-                             output_layer_init_method=init_method_normal(output_init_std(cfg)), name="mlp")
+                             output_layer_init_method=init_method_normal(output_init_std(cfg)), fp8=cfg.fp8_config,
+                             name="mlp")
             return block(x, dropout_fn)
         mlp = ParallelMLP(cfg.hidden_size, cfg.ffn_size, sequence_parallel=sp, gated_linear_unit=cfg.swiglu,
                           bias=cfg.add_bias_linear, normalization=cfg.normalization, epsilon=cfg.layernorm_epsilon,

@@ -15,10 +15,20 @@ over the expert-data-parallel group); each is drawn at its global ``[E, ...]`` s
 expert ``e`` has the same initial value at every ``ep``. Expert tensor parallelism is 1: under
 sequence parallelism the experts are replicated over tp and see each tp rank's own tokens, so the
 parameters are also tagged ``sequence_parallel`` (gradients summed over tp).
+
+FP8 (``fp8``, an enabled :class:`~core.fp8.FP8Config`): fc1 and fc2 each run as one FP8 grouped
+matmul (:func:`core.fp8.fp8_ragged_dot`) over all local experts, with per-tensor scales (one for
+the rows, one for all the experts' weights, one for the output gradient); under the delayed recipe
+their scales are the ``"fp8_scale"`` collection's ``fc1_scale`` and ``fc2_scale``
+(:func:`core.fp8.module_scale`). Biases and the activation stay in high precision. The windows
+implementation then runs the two GEMMs separately (:class:`~core.transformer.moe.grouped_gemm.
+WindowedGemm`), not the fused per-window MLP: fc2's input scale needs the amax of every row's
+activation before any window is quantized.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +37,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.fp8 import FP8Config, fp8_ragged_dot, module_scale
 from core.param_metadata import with_parallel_metadata
 from core.tensor_parallel.fast_vjp import gelu
 from core.tensor_parallel.layers import default_init_method
 from core.tensor_parallel.random import tensor_parallel_init
-from core.transformer.moe.grouped_gemm import group_ids, windowed_apply
+from core.transformer.moe.grouped_gemm import WindowedGemm, group_ids, windowed_apply
 
 EP_NAMES3 = ("ep", None, None)
 EP_NAMES2 = ("ep", None)
@@ -58,6 +69,8 @@ class _ExpertMLPBase(nn.Module):
     """``weight2`` initializer (global shape)."""
     params_dtype: Any = jnp.float32
     """Parameter dtype."""
+    fp8: FP8Config | None = None
+    """FP8 GEMMs in fc1 and fc2 when enabled (module docstring; None: high precision)."""
 
     def _params(self) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array | None]:
         e, h, f = self.num_local_experts, self.hidden_size, self.ffn_hidden_size
@@ -80,6 +93,32 @@ class _ExpertMLPBase(nn.Module):
             gate, up = jnp.split(x, 2, axis=-1)
             return jax.nn.silu(gate) * up
         return gelu(x)
+
+    @property
+    def _fp8_enabled(self) -> bool:
+        return self.fp8 is not None and self.fp8.enabled
+
+    def _grouped_mlp(self, rows: jax.Array, gs: jax.Array, params: tuple,
+                     dot1: Callable[..., jax.Array], dot2: Callable[..., jax.Array]) -> jax.Array:
+        """``fc2(act(fc1(rows)))`` with the grouped GEMMs ``dot(x, w, group_sizes)``."""
+        w1, b1, w2, b2 = params
+        # Each row's expert bias by a one-hot matmul (zero for padding rows): the gather's backward
+        # would scatter-add every row into E bias rows, in bf16, an atomic loop on a GPU.
+        one_hot = jax.nn.one_hot(group_ids(gs, rows.shape[0]), self.num_local_experts, dtype=rows.dtype)
+        h = dot1(rows, w1, gs)
+        if b1 is not None:
+            h = h + one_hot @ b1
+        y = dot2(self._activation(h), w2, gs)
+        if b2 is not None:
+            y = y + one_hot @ b2
+        return y
+
+    def _fp8_mlp(self, rows: jax.Array, gs: jax.Array, params: tuple, gemm: Any = None) -> jax.Array:
+        """The expert MLP with fc1 and fc2 as FP8 grouped matmuls on the ``gemm`` backend."""
+        def dot(name: str) -> Callable[..., jax.Array]:
+            return functools.partial(fp8_ragged_dot, config=self.fp8, scale=module_scale(self, self.fp8, name),
+                                     gemm=gemm)
+        return self._grouped_mlp(rows, gs, params, dot("fc1_scale"), dot("fc2_scale"))
 
 
 def default_grouped_implementation() -> str:
@@ -104,7 +143,10 @@ class GroupedMLP(_ExpertMLPBase):
         """Expert outputs ``[M, h]`` of ``rows [M, h]`` grouped by local expert (``group_sizes [E_local]``)."""
         w1, b1, w2, b2 = (None if p is None else p.astype(rows.dtype) for p in self._params())
         gs = group_sizes.astype(jnp.int32)
-        if (self.implementation or default_grouped_implementation()) == "windows":
+        windows = (self.implementation or default_grouped_implementation()) == "windows"
+        if self._fp8_enabled:
+            return self._fp8_mlp(rows, gs, (w1, b1, w2, b2), WindowedGemm(self.window) if windows else None)
+        if windows:
             def mlp(x: jax.Array, p: tuple) -> jax.Array:  # x [windows, window, h], p their experts' weights
                 w1, b1, w2, b2 = p
                 h = jnp.einsum("cwk,ckf->cwf", x, w1)
@@ -113,26 +155,25 @@ class GroupedMLP(_ExpertMLPBase):
                 y = jnp.einsum("cwf,cfh->cwh", self._activation(h), w2)
                 return y if b2 is None else y + b2[:, None]
             return windowed_apply(rows, (w1, b1, w2, b2), gs, mlp, self.window)
-        # Each row's expert bias by a one-hot matmul (zero for padding rows): the gather's backward
-        # would scatter-add every row into E bias rows, in bf16, an atomic loop on a GPU.
-        one_hot = jax.nn.one_hot(group_ids(gs, rows.shape[0]), self.num_local_experts, dtype=rows.dtype)
-        h = lax.ragged_dot(rows, w1, gs)
-        if b1 is not None:
-            h = h + one_hot @ b1
-        y = lax.ragged_dot(self._activation(h), w2, gs)
-        if b2 is not None:
-            y = y + one_hot @ b2
-        return y
+        return self._grouped_mlp(rows, gs, (w1, b1, w2, b2), lax.ragged_dot, lax.ragged_dot)
 
 
 class SequentialMLP(_ExpertMLPBase):
     """The local experts one after the other (Megatron's ``SequentialMLP``, ``--moe-grouped-gemm``
-    off): with static shapes each expert runs on all ``M`` rows and keeps its own group's."""
+    off): with static shapes each expert runs on all ``M`` rows and keeps its own group's.
+
+    With FP8 the GEMMs are the FP8 grouped matmul over ``lax.ragged_dot`` instead of the loop: one
+    call per GEMM keeps one set of per-tensor scales for all the experts (a scale must feed exactly
+    one FP8 matmul call, :mod:`core.fp8.linear`), and the loop's ``E x M`` rows are what XLA:CPU's
+    ``ragged_dot`` computes anyway."""
 
     @nn.compact
     def __call__(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """Same contract as :meth:`GroupedMLP.__call__`."""
         w1, b1, w2, b2 = self._params()
+        if self._fp8_enabled:
+            params = tuple(None if p is None else p.astype(rows.dtype) for p in (w1, b1, w2, b2))
+            return self._fp8_mlp(rows, group_sizes.astype(jnp.int32), params)
         gid = group_ids(group_sizes.astype(jnp.int32), rows.shape[0])
         out = jnp.zeros(rows.shape[:-1] + (self.hidden_size,), rows.dtype)
         for e in range(self.num_local_experts):

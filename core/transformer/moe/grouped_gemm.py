@@ -28,6 +28,7 @@ with zeros every step even when pass 2 does not run). Results and gradients equa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -169,3 +170,69 @@ def windowed_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, 
     """``lax.ragged_dot(lhs, rhs, group_sizes)`` by :func:`windowed_apply`."""
     return windowed_apply(lhs, rhs.astype(lhs.dtype), group_sizes,
                           lambda x, w: jnp.einsum("cwk,ckn->cwn", x, w), window)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowedGemm:
+    """The three GEMMs of a grouped matmul ``lhs [M, K] x rhs [G, K, N]`` by windows, for custom VJPs
+    that pick their own operands (the FP8 grouped matmul, :func:`core.fp8.fp8_ragged_dot`): the
+    same pass 1 / pass 2 plan as :func:`windowed_apply`, with ``preferred_element_type`` on every
+    product so that FP8 operands accumulate in the compute dtype. Not differentiable itself.
+    Frozen and hashable (a static argument of a ``custom_vjp``)."""
+
+    window: int | None = None
+    """Pass 1's rows per group (None: :func:`default_window` of ``M`` rows)."""
+
+    def _sizes(self, num_rows: int, num_groups: int) -> tuple[int, int]:
+        window = min(num_rows, self.window or default_window(num_rows, num_groups))
+        return window, -(-num_rows // window) - 1
+
+    def plan(self, group_sizes: jax.Array, num_rows: int) -> tuple:
+        """Where every row goes (computed once, reused by the forward and both backward GEMMs)."""
+        window, num_extra = self._sizes(num_rows, group_sizes.shape[0])
+        return lax.optimization_barrier(_window_plan(group_sizes, num_rows, window, num_extra))
+
+    def _rows(self, a: jax.Array, plan: tuple, num_groups: int, window: int, num_extra: int):
+        """``a``'s rows as pass 1's ``[G, window, .]`` and pass 2's ``[num_extra, window, .]`` windows."""
+        _, source1, source2, _, _ = plan
+        first = _take_rows(a, source1).reshape(num_groups, window, a.shape[1])
+        return first, lambda: _take_rows(a, source2).reshape(num_extra, window, a.shape[1])
+
+    def dot(self, lhs: jax.Array, rhs: jax.Array, plan: tuple, *, transpose_rhs: bool = False,
+            preferred_element_type: Any = None) -> jax.Array:
+        """``lax.ragged_dot(lhs, rhs, group_sizes)`` with ``rhs [G, K, N]``, or with ``transpose_rhs``
+        ``lhs [M, N]`` times each ``rhs[g]`` transposed (the dgrad); rows past the groups give zeros."""
+        m, g = lhs.shape[0], rhs.shape[0]
+        window, num_extra = self._sizes(m, g)
+        _, _, _, group2, overflow = plan
+        slot1, slot2 = _slots(plan, g, window, num_extra)
+        spec = "cwk,cnk->cwn" if transpose_rhs else "cwk,ckn->cwn"
+        x1, x2 = self._rows(lhs, plan, g, window, num_extra)
+        y1 = jnp.einsum(spec, x1, rhs, preferred_element_type=preferred_element_type)
+        n = y1.shape[-1]
+        y = _take_rows(y1.reshape(g * window, n), slot1)
+        if num_extra:
+            def pass2(y: jax.Array) -> jax.Array:
+                y2 = jnp.einsum(spec, x2(), rhs[group2], preferred_element_type=preferred_element_type)
+                return y + _take_rows(y2.reshape(num_extra * window, n), slot2)
+
+            y = lax.cond(overflow, pass2, lambda y: y, y)
+        return y
+
+    def wgrad(self, lhs: jax.Array, dy: jax.Array, plan: tuple, num_groups: int, *,
+              preferred_element_type: Any = None) -> jax.Array:
+        """``[G, K, N]``: group ``g``'s rows of ``lhs [M, K]`` transposed times its rows of ``dy [M, N]``
+        (the weight gradient of :meth:`dot`); padding rows add nothing."""
+        m = lhs.shape[0]
+        window, num_extra = self._sizes(m, num_groups)
+        _, _, _, group2, overflow = plan
+        x1, x2 = self._rows(lhs, plan, num_groups, window, num_extra)
+        d1, d2 = self._rows(dy, plan, num_groups, window, num_extra)
+        dw = jnp.einsum("cwk,cwn->ckn", x1, d1, preferred_element_type=preferred_element_type)
+        if num_extra:
+            def pass2(dw: jax.Array) -> jax.Array:
+                extra = jnp.einsum("cwk,cwn->ckn", x2(), d2(), preferred_element_type=preferred_element_type)
+                return dw.at[group2].add(extra.astype(dw.dtype))
+
+            dw = lax.cond(overflow, pass2, lambda dw: dw, dw)
+        return dw

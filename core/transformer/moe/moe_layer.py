@@ -16,6 +16,10 @@ Layouts: ``num_experts`` split over ``ep`` (a split of data parallelism: every e
 tokens), expert tensor parallelism 1. With tp > 1 sequence parallelism is required (as in Megatron):
 each tp rank routes its own sequence shard, and the router and expert weights, replicated over tp,
 have their gradients summed over tp (``sequence_parallel`` metadata).
+
+FP8 (``fp8``): the routed experts' GEMMs (:mod:`core.transformer.moe.experts`) and the shared
+expert's fc1/fc2 run in FP8; the router's linear layer stays in high precision (Transformer
+Engine's MoE keeps the router out of FP8: its logits decide the routing).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import flax.linen as nn
 import jax
 from jax import lax
 
+from core.fp8 import FP8Config
 from core.parallel_state import EP_AXIS, TP_AXIS
 from core.tensor_parallel.layers import default_init_method
 from core.tensor_parallel.random import sequence_parallel_dropout
@@ -58,6 +63,8 @@ class MoELayer(nn.Module):
     """Expert ``weight2`` and shared ``fc2`` initializer (global shapes)."""
     params_dtype: Any = None
     """Parameter dtype (None: float32)."""
+    fp8: FP8Config | None = None
+    """FP8 GEMMs in the experts and the shared expert (module docstring; None: high precision)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -81,13 +88,13 @@ class MoELayer(nn.Module):
         experts = (GroupedMLP if cfg.moe_grouped_gemm else SequentialMLP)(
             e_local, self.hidden_size, cfg.moe_ffn_hidden_size, gated_linear_unit=cfg.swiglu,
             bias=cfg.add_bias_linear, sequence_parallel=sp, init_method=self.init_method,
-            output_layer_init_method=self.output_layer_init_method, name="experts", **grouped, **dtype)
+            output_layer_init_method=self.output_layer_init_method, fp8=self.fp8, name="experts", **grouped, **dtype)
         y = dispatcher.combine(experts(rows, group_sizes), ctx).reshape(s, b, h)
         if cfg.moe_shared_expert_intermediate_size is not None:
             y = y + SharedExpertMLP(self.hidden_size, cfg.moe_shared_expert_intermediate_size,
                                     gated_linear_unit=cfg.swiglu, bias=cfg.add_bias_linear,
                                     sequence_parallel=self.sequence_parallel, init_method=self.init_method,
-                                    output_layer_init_method=self.output_layer_init_method,
+                                    output_layer_init_method=self.output_layer_init_method, fp8=self.fp8,
                                     name="shared_experts")(x).astype(y.dtype)
         aux = {"aux_loss": routing.aux_loss, "z_loss": routing.z_loss, "tokens_per_expert": routing.tokens_per_expert}
         return y, aux
@@ -118,6 +125,8 @@ class MoEBlock(nn.Module):
     """Passed to :class:`MoELayer`."""
     output_layer_init_method: Callable[..., jax.Array] = default_init_method
     """Passed to :class:`MoELayer`."""
+    fp8: FP8Config | None = None
+    """Passed to :class:`MoELayer`."""
 
     @nn.compact
     def __call__(self, x: jax.Array, dropout_fn: Callable[[jax.Array], jax.Array] | None = None
@@ -127,7 +136,7 @@ class MoEBlock(nn.Module):
         h = build_norm(self.normalization, self.epsilon, sp, "layernorm")(x)
         h, aux = MoELayer(self.config, self.hidden_size, sequence_parallel=sp, sequence_axes=self.sequence_axes,
                           batch_axes=self.batch_axes, init_method=self.init_method,
-                          output_layer_init_method=self.output_layer_init_method, name="moe")(h)
+                          output_layer_init_method=self.output_layer_init_method, fp8=self.fp8, name="moe")(h)
         if dropout_fn is not None:
             h = dropout_fn(h)
         elif self.hidden_dropout and not self.deterministic:
