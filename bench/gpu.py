@@ -27,13 +27,20 @@ memory at start):
    all-to-all, ``ragged_dot`` grouped GEMM, balanced routing by
    ``--moe-router-force-load-balancing``) and the dense GPT of equal active parameters (FFN
    4096), and their step-time ratio (target: <= 1.5x).
+9. ``--fp8`` (run after step 3): the ~1.2B GPT and a Llama-3.2-1B-shaped model, each in bf16 and
+   bf16 + FP8 (``--fp8-format``, once per ``--fp8-recipes`` entry) on the same data, 200 steps:
+   tokens/s and its ratio to bf16's, MFU against the bf16 and the FP8 dense peaks, memory, the
+   loss against bf16's, cuBLASLt FP8 GEMMs in the compiled HLO (``bench/gpu_fp8.py``). The
+   issue-63 rows on one H100 / H200, one command::
+
+       PYTHONPATH=. python bench/gpu.py --no-gpt --no-tests --fp8 --fp8-recipes delayed,tensorwise --deadline-s 1800
 
 ``--no-gpt`` skips steps 2 and 3 (a second call after a run that had them; written to
-``gpu_<device>_moe_checkpoint.md``). ``--deadline-s`` starts no step after that many seconds
-(to fit a time limit on the command): the report says what was skipped, and is rewritten as
-each step ends. Writes ``bench/results/gpu_<device>.md`` (``--out``) and prints it. ``--smoke``
-runs the same steps with tiny shapes (it runs on the CPU too: the test suite checks the script
-that way).
+``gpu_<device>_moe_checkpoint.md``, ``gpu_<device>_fp8.md``). ``--deadline-s`` starts no step
+after that many seconds (to fit a time limit on the command): the report says what was skipped,
+and is rewritten as each step ends. Writes ``bench/results/gpu_<device>.md`` (``--out``) and
+prints it. ``--smoke`` runs the same steps with tiny shapes (it runs on the CPU too: the test
+suite checks the script that way).
 """
 
 from __future__ import annotations
@@ -47,11 +54,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+import gpu_fp8  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -83,6 +92,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--sweep-settings", type=int, default=5, help="how many of the sweep's settings to run (most "
                    "telling first; 15 in all)")
     p.add_argument("--sweep-skip", type=int, default=0, help="skip the sweep's first settings (measured before)")
+    gpu_fp8.add_arguments(p)
     p.add_argument("--deadline-s", type=float, default=None, help="start no step after this many seconds (to fit "
                    "a time limit on the command): the report keeps what ran; each step's report is written as it "
                    "ends")
@@ -516,6 +526,39 @@ def checkpoint_report(rows: list[dict] | dict, label: str = "default model") -> 
                     bench.phases_table(rows), ""]
 
 
+def fp8_rows(a: argparse.Namespace, out: Path, platform: str, device_kind: str, left: Callable[[], float],
+             skipped: Callable[[str, float], bool]) -> list[str]:
+    """Step 9 (``--fp8``): the GPT and the Llama-shaped model in bf16 and bf16 + FP8, each FP8
+    launch's optimized HLO kept next to ``out`` (``<out>.fp8_<model>_<recipe>.hlo.txt.gz``) and its
+    cuBLASLt FP8 GEMMs counted (``left``, ``skipped``: :func:`main`'s deadline checks)."""
+    steps = gpu_fp8.iters(a)
+    training = _training(argparse.Namespace(iters=steps))
+
+    def train(launch: gpu_fp8.Launch) -> dict:
+        if not launch.fp8:
+            return train_gpt(launch.flags, timeout=min(900, left()))
+        with tempfile.TemporaryDirectory() as hlo_dir:
+            record = train_gpt(launch.flags, timeout=min(900, left()), xla_flags=hlo_dump_flags(hlo_dir))
+            if "error" in record:
+                return record
+            try:
+                hlo = _keep_hlo(hlo_dir, gpu_fp8.hlo_name(out, launch))
+            except OSError as err:
+                print(f"  HLO dump not kept: {err}")
+                hlo = None
+        if platform == "cpu":
+            record["cublaslt_fp8"] = "n/a (CPU)"
+        else:
+            record["cublaslt_fp8"] = "no HLO dumped" if hlo is None else str(gpu_fp8.cublaslt_fp8_gemms(hlo))
+        return record
+
+    with tempfile.TemporaryDirectory() as data_dir:
+        prefix = os.path.join(data_dir, "llama_ids")
+        write_token_ids(prefix, gpu_fp8.llama_vocab(a) - 1, gpu_fp8.token_count(a))  # ids below EOD
+        rows = gpu_fp8.run_rows(a, gpu_fp8.launches(a, gpt_shape(a), training, prefix), train, skipped)
+    return gpu_fp8.report(rows, device_kind, steps)
+
+
 def report(info: dict, tests: dict | None, attention: dict | None, attention_shape, gpt: dict | None,
            flags: list[str]) -> str:
     """The markdown the run writes (``attention`` and ``gpt`` None: skipped by ``--no-gpt``;
@@ -611,6 +654,8 @@ def main() -> None:
         shape = (64, 32, (256, 1024)) if a.smoke else (8192, 2048, (256, 32768, 50304))
         print(json.dumps(time_embedding_backward(*shape, reps=3 if a.smoke else 20)))
         return
+    if a.fp8:
+        gpu_fp8.recipes(a)  # an unknown recipe fails here, before any launch
     started = time.perf_counter()
     left = lambda: float("inf") if a.deadline_s is None else a.deadline_s - (time.perf_counter() - started)
     info = _child("info", a)
@@ -619,7 +664,8 @@ def main() -> None:
     print(f"> {info['count']} x {info['device']} ({info['platform']}); JAX {info['jax']}, jaxlib {info['jaxlib']}",
           flush=True)
     name = re.sub(r"[^A-Za-z0-9]+", "_", info["device"]).strip("_").lower()
-    suffix = "_" + "_".join(n for n, on in (("moe", a.moe), ("checkpoint", a.checkpoint)) if on) if a.no_gpt else ""
+    on = (("moe", a.moe), ("checkpoint", a.checkpoint), ("fp8", a.fp8))
+    suffix = "_" + "_".join(n for n, flag in on if flag) if a.no_gpt else ""
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu_{name}{suffix}.md"  # --no-gpt: no overwrite
     out.parent.mkdir(parents=True, exist_ok=True)
     shape, flags = _attention_shape(a.smoke), gpt_flags(a)
@@ -647,6 +693,9 @@ def main() -> None:
             print(f"> GPT: {gpt}", flush=True)
             if a.profile and "error" not in gpt:
                 extra.extend(profile_report(trace_dir, out))
+        write()
+    if a.fp8 and not skipped("FP8 rows", 30 if a.smoke else 240):
+        extra.extend(fp8_rows(a, out, info["platform"], info["device"], left, skipped))
         write()
     if a.sweep:
         runs = []

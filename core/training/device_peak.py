@@ -16,17 +16,18 @@ import time
 import jax
 import jax.numpy as jnp
 
-# device_kind substring (checked in order) -> dense TFLOP/s for bf16/fp16, tf32, fp32 (no tensor cores)
-_DATASHEET: tuple[tuple[str, tuple[str, ...], float, float, float], ...] = (
-    ("H100 PCIe", (), 756.0, 378.0, 51.2),
-    ("H100 NVL", (), 835.0, 417.5, 59.8),
-    ("H200 NVL", (), 835.0, 417.5, 59.8),
-    ("H100", (), 989.4, 494.7, 66.9),    # SXM5 (device_kind "NVIDIA H100 80GB HBM3")
-    ("H200", (), 989.4, 494.7, 66.9),    # SXM
-    ("GH200", (), 989.4, 494.7, 66.9),
-    ("A100", (), 312.0, 156.0, 19.5),    # SXM4 and PCIe alike
-    ("L40S", (), 362.1, 183.0, 91.6),
-    ("L4", ("L40",), 121.0, 60.0, 30.3),
+# device_kind substring (checked in order), excluded substrings -> dense TFLOP/s for bf16/fp16,
+# tf32, fp32 (no tensor cores), fp8 (e4m3 and e5m2 alike; None: no FP8 tensor cores)
+_DATASHEET: tuple[tuple[str, tuple[str, ...], float, float, float, float | None], ...] = (
+    ("H100 PCIe", (), 756.0, 378.0, 51.2, 1513.0),
+    ("H100 NVL", (), 835.0, 417.5, 59.8, 1670.5),
+    ("H200 NVL", (), 835.0, 417.5, 59.8, 1670.5),
+    ("H100", (), 989.4, 494.7, 66.9, 1978.9),    # SXM5 (device_kind "NVIDIA H100 80GB HBM3")
+    ("H200", (), 989.4, 494.7, 66.9, 1978.9),    # SXM
+    ("GH200", (), 989.4, 494.7, 66.9, 1978.9),
+    ("A100", (), 312.0, 156.0, 19.5, None),      # SXM4 and PCIe alike
+    ("L40S", (), 362.1, 183.0, 91.6, 733.0),
+    ("L4", ("L40",), 121.0, 60.0, 30.3, 242.5),
 )
 
 
@@ -49,11 +50,14 @@ class DevicePeak:
 
 def datasheet_peak(device_kind: str, dtype_name: str, matmul_precision: str | None = None) -> float | None:
     """Dense TFLOP/s x 1e12 for ``device_kind`` in ``dtype_name`` (``bfloat16``, ``float16``,
-    ``float32``), or None for a device not in the table."""
-    for name, excluded, half, tf32, fp32 in _DATASHEET:
+    ``float32``, or an FP8 dtype's name: ``float8_e4m3fn``, ``float8_e5m2``), or None for a device
+    not in the table (or, in FP8, one without FP8 tensor cores)."""
+    for name, excluded, half, tf32, fp32, fp8 in _DATASHEET:
         if name in device_kind and not any(x in device_kind for x in excluded):
             if dtype_name in ("bfloat16", "float16"):
                 return half * 1e12
+            if dtype_name.startswith("float8"):
+                return None if fp8 is None else fp8 * 1e12
             return (fp32 if matmul_precision in ("highest", "float32") else tf32) * 1e12
     return None
 
