@@ -83,17 +83,21 @@ def test_fp8_state_is_model_state_outside_the_optimizer():
 
 
 # (tp, pp, devices, flags): tensor parallelism with SP (weights and activations split over tp),
-# data parallelism (activations and gradients split over dp), pipelining (no sharing), and all
-# of them with interleaving and the distributed optimizer.
-LAYOUTS = [(2, 1, 2, ("--sequence-parallel",)), (1, 1, 2, ()), (1, 2, 2, ()),
-           (2, 2, 8, ("--virtual-pipeline-model-parallel-size", "2", "--use-distributed-optimizer"))]
+# data parallelism (activations and gradients split over dp), context parallelism (activations
+# split over cp), pipelining (no sharing), all of them with interleaving and the distributed
+# optimizer, and Megatron-FSDP's ZeRO-3 (each layer's parameters gathered for it) with recompute.
+LAYOUTS = [(2, 1, 2, ("--sequence-parallel",)), (1, 1, 2, ()), (1, 1, 2, ("--context-parallel-size", "2")),
+           (1, 2, 2, ()), (2, 2, 8, ("--virtual-pipeline-model-parallel-size", "2", "--use-distributed-optimizer")),
+           (2, 1, 8, ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                      "--sequence-parallel", "--recompute-activations"))]
 
 
-@pytest.mark.parametrize("tp,pp,devices,extra", LAYOUTS, ids=["tp2-sp", "dp2", "pp2", "tp2-pp2-vpp2-dp2-do"])
+@pytest.mark.parametrize("tp,pp,devices,extra", LAYOUTS,
+                         ids=["tp2-sp", "dp2", "cp2", "pp2", "tp2-pp2-vpp2-dp2-do", "tp2-dp4-zero3-sp-recompute"])
 def test_every_layout_equals_one_device(reference, tp, pp, devices, extra):
     """The inputs' and weights' amaxes are reduced with MAX over tp and dp, so after the first step
     their scales equal one device's (rtol 1e-6). The losses of 6 steps stay within 1e-3 of one
-    device's (measured: at most 4.7e-4). They cannot be bit-equal: the first step quantizes with
+    device's (measured: at most 6.7e-4). They cannot be bit-equal: the first step quantizes with
     TE's unit scales, and the output gradients' magnitude, hence what underflows E5M2, depends on
     the microbatches per rank (each microbatch's loss is divided by their number; dp averages
     after the backward); later steps scale every tensor to its range, and the curves stay together."""
@@ -104,6 +108,23 @@ def test_every_layout_equals_one_device(reference, tp, pp, devices, extra):
         np.testing.assert_allclose(got[key][:, [X, W]], want[key][:, [X, W]], rtol=1e-6, err_msg=str(key))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-3)
     assert ref_losses[-1] < ref_losses[0] - 0.5  # it learns
+
+
+def test_moe_layers_with_expert_parallelism_equal_one_device():
+    """MoE layers: the experts' grouped GEMMs keep a scale per layer for all its experts, their
+    weight amax reduced over the expert-parallel ranks; with the expert bias (the other model
+    state) and tp2 x pp2 x ep2 with SP, 6 steps within 1e-3 of one device (measured 1.1e-4)."""
+    from test_pretrain_moe import MOE
+
+    flags = DELAYED + MOE + ("--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid")
+    ref = layout_trainer(1, 1, jax.devices()[:1], ITERS, flags)
+    assert set(ref.model_state) == {"expert_bias", "fp8"}
+    experts = ref.model_state["fp8"]["scale"]["moe"]["mlp"]["moe"]["experts"]
+    assert set(experts) == {"fc1_scale", "fc2_scale"}
+    want = [ref.step()["loss"] for _ in range(ITERS)]
+    got = [r["loss"] for r in layout_records(2, 2, jax.devices(), ITERS, flags + (
+        "--expert-model-parallel-size", "2", "--sequence-parallel"))]
+    np.testing.assert_allclose(got, want, rtol=1e-3)
 
 
 def test_tensorwise_layouts_equal_one_device():
