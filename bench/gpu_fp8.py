@@ -1,6 +1,6 @@
 """``bench/gpu.py --fp8``: bf16 against bf16 + FP8 side by side, one launch each, on the same data.
 
-The GPU rows of issue 63 (item 5), one command on one H100 / H200 (about 15 minutes; nothing to
+FP8 against bf16 on one H100 / H200 in one command (about 15 minutes; nothing to
 download; written to ``bench/results/gpu_<device>_fp8.md`` with each FP8 run's optimized HLO next
 to it)::
 
@@ -11,7 +11,7 @@ by ``launch/pretrain.py`` in bf16 and then in bf16 + FP8 (``--fp8-format``, defa
 forward, E5M2 gradients) once per ``--fp8-recipes`` entry, the same seed and data for all:
 
 - the benchmark's ~1.2B GPT (24 layers, hidden 2048, 16 heads, seq 2048, the built-in text data:
-  about 7 passes over it in 200 steps) at micro-batch 8, global batch 8 (the issue's target:
+  about 7 passes over it in 200 steps) at micro-batch 8, global batch 8 (the target:
   FP8 >= 1.3x bf16's tokens/s, loss after 200 steps within 1% of bf16's);
 - Llama-3.2-1B's shape (16 layers, hidden 2048, FFN 8192, RMSNorm, SwiGLU, no biases, GQA 32
   heads / 8 KV groups, rotary base 500000 with Llama 3.1's scaling (factor 32, original context
@@ -76,7 +76,7 @@ def iters(a: argparse.Namespace) -> int:
 
 def gpt_model_flags(a: argparse.Namespace, gpt_shape: list[str]) -> list[str]:
     """The GPT rows' shape (``gpt_shape``: ``bench/gpu.py``'s) and batch: micro-batch 8, global 8
-    (the issue's target setting; ``--smoke``: 2 and 4)."""
+    (the setting the FP8 target is stated at; ``--smoke``: 2 and 4)."""
     batch = ("2", "4") if a.smoke else ("8", "8")
     return [*gpt_shape, "--micro-batch-size", batch[0], "--global-batch-size", batch[1]]
 

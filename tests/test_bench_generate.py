@@ -29,15 +29,17 @@ def test_smoke_run_reports_both_sides_the_bandwidth_and_the_gpu_bound(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     side, bandwidth, gpu = (part for part in out.read_text().split("## ")[1:4])
     for batch in (1, 2):
-        row = re.findall(rf"^\| tiny \| {batch} \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
-                         rf"[\d.]+ \| (\d+)/{batch} ", side, re.M)
+        # Decode rates are NaN when a busy machine's noise exceeds the tiny model's decode time.
+        row = re.findall(rf"^\| tiny \| {batch} \| (\d+) \| (\d+) \| ([\d.]+) \| ([\d.]+|nan) \| ([\d.]+|nan) \| "
+                         rf"([\d.]+|nan) \| [\d.]+ \| (\d+)/{batch} ", side, re.M)
         assert len(row) == 1, side
-        assert all(float(x) > 0 for x in row[0][:6])
+        assert all(float(x) > 0 for x in row[0][:3])
         assert int(row[0][6]) == batch  # greedy tokens agree on the tiny model
-        assert len(re.findall(rf"^\| tiny \| {batch} \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$", bandwidth,
+        assert len(re.findall(rf"^\| tiny \| {batch} \| \d+ \| [\d.]+ \| [\d.]+ \| ([\d.]+|nan) \| ([\d.]+|nan) \|$", bandwidth,
                               re.M)) == 1, bandwidth
-    assert re.search(r"^\| tiny \| NVIDIA H200 \| fp32 \| 16 \| 8 \| \d+ \| [\d.]+ \| [\d.]+ \| \d+ \| 4.80 TB/s \| "
-                     r"\d+ \| [\d.]+ \| \d+% \|$", gpu, re.M), gpu
+    n = r"(?:[\d.]+|nan)"
+    assert re.search(rf"^\| tiny \| NVIDIA H200 \| fp32 \| 16 \| 8 \| \d+ \| {n} \| {n} \| \d+ \| 4.80 TB/s \| "
+                     rf"\d+ \| {n} \| {n}% \|$", gpu, re.M), gpu
 
 
 @pytest.mark.parametrize("name", list(bench_generate.SHAPES) + list(bench_generate.SMOKE))
