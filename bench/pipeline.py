@@ -12,7 +12,11 @@ idle share of the executed slots (GPipe ``(p-1)/(m+p-1)``; table-driven
 interleaved), Megatron's theoretical ``(p-1)/m`` and ``(p-1)/(v m)``, and
 ``memory_analysis().temp_size_in_bytes``. Simulated devices share the host's cores, so step
 times are only indicative. Interleaved runs the table-driven executor with vpp=2 chunks per
-rank, each a full stage (i.e. twice the layers).
+rank, each a full stage (i.e. twice the layers). ZB-H1 runs the zero-bubble executor
+(``core.pipeline_parallel.zero_bubble_executor``: each backward split into B, the input
+gradient, and a later W, the weight gradient); its slot bubble counts F, B and W as one slot
+each (``ZeroBubbleTimeline.bubble_fraction()``), next to 1F1B's in the same units (the paper's
+``(p-1)/(m+p-1)`` with a backward of B + W) in the Megatron column.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def main() -> None:
     from core import parallel_state as ps
     from core.pipeline_parallel.table_driven import forward_backward_table_driven
     from core.pipeline_parallel.timeline import build_timeline
+    from core.pipeline_parallel.zero_bubble import build_zb_h1_timeline, one_f_one_b_reference
+    from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1
 
     pp, hid = args.pp, args.hidden
     state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
@@ -67,6 +73,15 @@ def main() -> None:
     def megatron_1f1b(p, x, t):  # Megatron's exact order, table-driven (params get a chunk dim of 1)
         loss, g = forward_backward_table_driven(stage, loss_fn, jax.tree.map(lambda a: a[None], p), x, t)
         return loss, jax.tree.map(lambda a: a[0], g)
+
+    def zb_h1(p, x, t):  # ZB-H1 on the same stage and loss (Megatron's contract, params with a chunk dim of 1)
+        def forward_step_func(d, model):
+            y = model(d["x"])
+            return y, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
+
+        losses, g, _ = execute_schedule_zb_h1(forward_step_func, {"x": x, "t": t}, stage,
+                                              jax.tree.map(lambda a: a[None], p))
+        return jnp.mean(jnp.stack([d["loss"] for d in losses])), jax.tree.map(lambda a: a[0], g)
 
     def megatron_interleaved(p, x, t):
         return forward_backward_table_driven(stage, loss_fn, p, x, t, num_model_chunks=2)
@@ -103,14 +118,18 @@ def main() -> None:
         t = jax.random.normal(jax.random.key(1), (m, args.tokens, hid))
         ps_, xs, ts_ = (jax.device_put(a, single) for a in (params, x, t))
         ideal = timed(sequential, ps_, xs, ts_) / pp
-        for name, fn, grid in [("GPipe", gpipe, (pp - 1) / (m + pp - 1)),
-                               ("1F1B (Megatron order, table-driven)", megatron_1f1b,
-                                build_timeline(m, pp).bubble_fraction())]:
+        rows = [("GPipe", gpipe, (pp - 1) / (m + pp - 1), f"{(pp - 1) / m:.2f}"),
+                ("1F1B (Megatron order, table-driven)", megatron_1f1b, build_timeline(m, pp).bubble_fraction(),
+                 f"{(pp - 1) / m:.2f}")]
+        if m >= pp:  # ZB-H1 needs a microbatch per stage
+            rows.append(("ZB-H1 (F, B, W slots)", zb_h1, build_zb_h1_timeline(m, pp).bubble_fraction(),
+                         f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"))
+        for name, fn, grid, theory in rows:
             f = build(fn)
             temp = f.lower(params, x, t).compile().memory_analysis().temp_size_in_bytes
             step = timed(f, params, x, t)
             print(f"| {name} | {m} | {step * 1e3:.1f} | {ideal * 1e3:.1f} | {1 - ideal / step:.2f} | {grid:.2f} "
-                  f"| {(pp - 1) / m:.2f} | {temp / 1024:.0f} |")
+                  f"| {theory} | {temp / 1024:.0f} |")
         # Interleaved: 2 chunks per rank, each half the width's work would need half-size stages; here each
         # chunk is a full stage (2x the model), so compare its slot bubble and memory, not its step time.
         ip = jax.tree.map(lambda a: jnp.stack([a, a], axis=1), params)

@@ -58,3 +58,12 @@ def test_fp8_delayed_scaling_loss_trajectory_matches_single_device():
     fp8 = LLAMA + ("--fp8-format", "hybrid", "--fp8-recipe", "delayed")
     losses = layout_losses(2, 2, jax.devices(), extra=fp8 + ("--sequence-parallel",))
     np.testing.assert_allclose(losses, _reference(fp8), rtol=1e-3)
+
+
+def test_zero_bubble_loss_trajectory_matches_single_device():
+    # ZB-H1 at tp2 x pp2 x dp2 with SP and the distributed optimizer over 8 processes (m = 4 = 2pp):
+    # the F activations and B input gradients cross processes in the slot loop, the W grads feed
+    # the same reduction as 1F1B's.
+    tp, pp, extra = LAYOUTS[3]
+    losses = layout_losses(tp, pp, jax.devices(), extra=extra + ("--pipeline-schedule", "zb-h1"))
+    np.testing.assert_allclose(losses, _reference(), rtol=1e-4)

@@ -4,6 +4,8 @@
 * ``gpipe``: the xlstm_jax GPipe API (``execute_pipeline_step``, ``execute_pipeline``, ``PipelineModule``).
 * ``timeline`` + ``table_driven``: Megatron's exact 1F1B / interleaved orders placed into global slots and
   run as one scan (Megatron's bubble); behind ``schedules``' entry points.
+* ``zero_bubble`` + ``zero_bubble_executor``: ZB-H1 / ZB-V slot tables (B/W-split backward) and the
+  ZB-H1 executor.
 * ``schedules``: Megatron's ``get_forward_backward_func`` and ``forward_backward_*`` contract.
 * ``p2p_communication``: Megatron-named stage transfers on ``ppermute``.
 * ``utils``: layers per stage / chunk and layer offsets.
@@ -19,6 +21,7 @@ from core.pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
+    forward_backward_pipelining_zero_bubble,
     get_forward_backward_func,
 )
 from core.pipeline_parallel.utils import get_num_layers_to_build, split_microbatches
@@ -26,6 +29,7 @@ from core.pipeline_parallel.utils import get_num_layers_to_build, split_microbat
 __all__ = [
     "PipelineModule", "execute_pipeline", "execute_pipeline_step", "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving",
+    "forward_backward_pipelining_zero_bubble",
     "get_forward_backward_func", "get_num_layers_to_build", "send_backward_recv_backward",
     "send_forward_recv_backward", "send_forward_recv_forward", "split_microbatches",
 ]

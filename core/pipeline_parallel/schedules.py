@@ -38,6 +38,7 @@ from jax import lax
 
 from core import parallel_state as ps
 from core.pipeline_parallel.table_driven import execute_schedule, split_loss
+from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1
 
 
 def _ddp_model(model: Any) -> Any:
@@ -163,13 +164,48 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func: Callable
     return losses, grads, ntok
 
 
-def get_forward_backward_func(state: ps.ParallelState | None = None) -> Callable:
-    """Pick the schedule by the pipeline and virtual-pipeline sizes, as Megatron does."""
+def forward_backward_pipelining_zero_bubble(*, forward_step_func: Callable, data_iterator: Iterator, model: tuple,
+                                            num_microbatches: int, seq_length: int | None = None,
+                                            micro_batch_size: int | None = None, forward_only: bool = False,
+                                            axis_name: str = "pp"):
+    """ZB-H1 zero-bubble pipelining over ``axis_name`` (Qi et al., ICLR 2024), with
+    :func:`forward_backward_pipelining_without_interleaving`'s contract: each backward runs as B
+    (the input gradient, sent upstream at once) and a later W (the weight gradient, filling the
+    cool-down bubble); :mod:`core.pipeline_parallel.zero_bubble_executor`. Needs
+    ``num_microbatches >= pp``; returns the same losses, grads and token count as 1F1B."""
+    if (ddp := _ddp_model(model)) is not None:
+        return ddp.run_forward_backward(forward_backward_pipelining_zero_bubble,
+                                        forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                        num_microbatches=num_microbatches, forward_only=forward_only,
+                                        axis_name=axis_name)
+    del seq_length, micro_batch_size
+    stage_fn, params = model
+    losses, grads, ntok = execute_schedule_zb_h1(
+        forward_step_func, _take(data_iterator, num_microbatches), stage_fn, jax.tree.map(lambda a: a[None], params),
+        forward_only=forward_only, axis_name=axis_name)
+    return losses, (None if grads is None else jax.tree.map(lambda a: a[0], grads)), ntok
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+"""The names :func:`get_forward_backward_func` takes (``--pipeline-schedule``'s choices)."""
+
+
+def get_forward_backward_func(state: ps.ParallelState | None = None, schedule: str | None = None) -> Callable:
+    """Pick the schedule by the pipeline and virtual-pipeline sizes, as Megatron does, or by
+    ``schedule`` (one of :data:`SCHEDULES`; ``"zb-h1"`` and ``"1f1b"`` need one chunk per stage,
+    ``"interleaved"`` more). Without pipelining every schedule is the plain microbatch loop."""
     state = state if state is not None else ps.get_parallel_state()
     pp = state.pipeline_model_parallel_size
-    vpp = getattr(state, "virtual_pipeline_model_parallel_size", None)
-    if pp > 1:
-        if vpp is not None and vpp > 1:
-            return forward_backward_pipelining_with_interleaving
-        return forward_backward_pipelining_without_interleaving
-    return forward_backward_no_pipelining
+    vpp = getattr(state, "virtual_pipeline_model_parallel_size", None) or 1
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule is not None and (schedule == "interleaved") != (vpp > 1):
+        raise ValueError(f"schedule {schedule!r} does not fit virtual_pipeline_model_parallel_size {vpp} "
+                         "(interleaved needs > 1, the others 1)")
+    if pp == 1:
+        return forward_backward_no_pipelining
+    if vpp > 1:
+        return forward_backward_pipelining_with_interleaving
+    if schedule == "zb-h1":
+        return forward_backward_pipelining_zero_bubble
+    return forward_backward_pipelining_without_interleaving

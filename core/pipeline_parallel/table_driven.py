@@ -23,6 +23,10 @@ Two entry points share the executor:
 :func:`execute_stages` can also sum a ``stage_metrics`` dict over every virtual stage (e.g. the
 MoE losses of each chunk's layers), where ``losses_reduced`` only holds the last stage's.
 
+ZB-H1 (the backward split into an input-gradient B and a later weight-gradient W) runs the same
+contract in :mod:`core.pipeline_parallel.zero_bubble_executor`, on :func:`stage_runner` and
+:func:`accumulate_chunk_grads`.
+
 ``params`` carries a leading ``[num_model_chunks]`` dimension (this rank's chunks; chunk ``c``
 of rank ``r`` is virtual stage ``c * pp + r``); stages keep the activation shape.
 """
@@ -49,6 +53,36 @@ def split_loss(result: tuple, num_microbatches: int) -> tuple[jax.Array, jax.Arr
         loss, reduced = result
         return loss / num_microbatches, None, reduced
     raise ValueError(f"loss_func must return (loss, dict) or (loss, num_tokens, dict), got {len(result)} items")
+
+
+def stage_runner(stage_step: Callable, num_microbatches: int, stage_metrics: bool) -> tuple[Callable, dict]:
+    """``stage_step`` normalised for the executors: ``run(p, sp, d, received, vs) -> (out, (loss,
+    num_tokens, reduced, metrics))`` with the loss scaled by :func:`split_loss` (zero tokens and
+    empty metrics where absent), and a dict whose ``"yes"`` says, once traced, whether
+    ``loss_func`` returns a token count."""
+    per_token: dict[str, bool] = {}
+
+    def run(p, sp, d, received, vs):
+        out, result, *sm = stage_step(p, sp, d, received, vs)
+        if len(sm) != int(stage_metrics):
+            raise ValueError(f"stage_step must return {3 if stage_metrics else 2} items with "
+                             f"stage_metrics={stage_metrics}, got {2 + len(sm)}")
+        loss, nt, reduced = split_loss(result, num_microbatches)
+        per_token["yes"] = nt is not None
+        return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced, sm[0] if sm else {})
+
+    return run, per_token
+
+
+def accumulate_chunk_grads(acc: Any, g: Any, c: jax.Array | int, combine: Any = None) -> Any:
+    """``acc`` (``[vpp, ...]`` leaves) with chunk ``c``'s cotangents ``g`` added, or max-combined
+    where the ``combine`` prefix tree says ``"max"`` (see :func:`execute_stages`)."""
+    if combine is None:
+        return jax.tree.map(lambda a, x: a.at[c].add(x), acc, g)
+    if any(how not in ("sum", "max") for how in jax.tree.leaves(combine)):
+        raise ValueError(f"chunk_grad_combine leaves must be 'sum' or 'max', got {combine!r}")
+    one = lambda how, a, x: a.at[c].max(x) if how == "max" else a.at[c].add(x)
+    return jax.tree.map(lambda how, a, x: jax.tree.map(functools.partial(one, how), a, x), combine, acc, g)
 
 
 def execute_schedule(
@@ -123,16 +157,7 @@ def execute_stages(
     take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
     shared = shared_params
 
-    per_token = {}  # set while tracing: does loss_func return (loss_sum, num_tokens, dict)?
-
-    def run(p, sp, d, received, vs):
-        out, result, *sm = stage_step(p, sp, d, received, vs)
-        if len(sm) != int(stage_metrics):
-            raise ValueError(f"stage_step must return {3 if stage_metrics else 2} items with "
-                             f"stage_metrics={stage_metrics}, got {2 + len(sm)}")
-        loss, nt, reduced = split_loss(result, m)
-        per_token["yes"] = nt is not None
-        return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced, sm[0] if sm else {})
+    run, per_token = stage_runner(stage_step, m, stage_metrics)
 
     d0 = take(data, 0)
     out_shape, (_, _, rd_shape, sm_shape) = jax.eval_shape(
@@ -168,15 +193,6 @@ def execute_stages(
 
     zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
 
-    def accumulate(acc, g, c):
-        """``acc`` with chunk ``c``'s cotangents ``g`` added (or max-combined, as ``chunk_grad_combine`` says)."""
-        if chunk_grad_combine is None:
-            return jax.tree.map(lambda a, x: a.at[c].add(x), acc, g)
-        if any(how not in ("sum", "max") for how in jax.tree.leaves(chunk_grad_combine)):
-            raise ValueError(f"chunk_grad_combine leaves must be 'sum' or 'max', got {chunk_grad_combine!r}")
-        one = lambda how, a, x: a.at[c].max(x) if how == "max" else a.at[c].add(x)
-        return jax.tree.map(lambda how, a, x: jax.tree.map(functools.partial(one, how), a, x),
-                            chunk_grad_combine, acc, g)
     zero_shared = jax.tree.map(jnp.zeros_like, shared)
 
     def record(rds, ntok, code, result):
@@ -200,7 +216,7 @@ def execute_stages(
             b_res, gp, gs, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, zero_shared, act_zero),
                                          (acts, grads, b_code))
             _, b_c, _ = unpack(b_code)
-            param_grads = accumulate(param_grads, gp, b_c)
+            param_grads = accumulate_chunk_grads(param_grads, gp, b_c, chunk_grad_combine)
             shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
             rds, ntok = record(rds, ntok, b_code, b_res)
         # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).

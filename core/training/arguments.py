@@ -124,6 +124,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> ParallelLayout:
         raise ArgumentError(f"--spiky-loss-factor must be > 1, got {args.spiky_loss_factor}")
     _validate_optimizer_instances(args, dp * cp, dp * cp // ep, dp // ep)
     _validate_megatron_fsdp(args)
+    _validate_pipeline_schedule(args, dp)
     if args.profile and not 0 <= args.profile_step_start < args.profile_step_end:
         raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be >= 0 and below "
                             f"--profile-step-end {args.profile_step_end}")
@@ -181,6 +182,23 @@ def ddp_config(args: argparse.Namespace) -> DistributedDataParallelConfig:
         spiky_loss_factor=args.spiky_loss_factor, use_megatron_fsdp=args.use_megatron_fsdp,
         data_parallel_sharding_strategy=sharding_strategy(args),
         fsdp_reshard_after_forward=not args.no_fsdp_reshard_after_forward)
+
+
+def _validate_pipeline_schedule(args: argparse.Namespace, dp: int) -> None:
+    """``--pipeline-schedule`` against the virtual stages and the microbatches per step."""
+    schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    if schedule is None:
+        return
+    if schedule == "interleaved" and vpp == 1:
+        raise ArgumentError("--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size > 1")
+    if schedule != "interleaved" and vpp > 1:
+        raise ArgumentError(f"--pipeline-schedule {schedule} runs one model chunk per stage; "
+                            f"--virtual-pipeline-model-parallel-size {vpp} needs interleaved")
+    m = args.global_batch_size // (args.micro_batch_size * dp)
+    if schedule == "zb-h1" and pp > 1 and m < pp:
+        raise ArgumentError(f"--pipeline-schedule zb-h1 needs at least pipeline-model-parallel-size {pp} "
+                            f"microbatches per step, got {m} (global-batch-size / (micro-batch-size x dp))")
 
 
 def _validate_megatron_fsdp(args: argparse.Namespace) -> None:

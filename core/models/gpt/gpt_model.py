@@ -52,6 +52,7 @@ from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import abstract_boxed_params, param_info_tree, unbox
 from core.pipeline_parallel.table_driven import execute_stages
 from core.pipeline_parallel.utils import split_microbatches
+from core.pipeline_parallel.zero_bubble_executor import execute_stages_zb_h1
 from core.transformer.layer_context import LayerContext
 from core.transformer.moe import MOE_STATE, get_updated_expert_bias
 from core.transformer.moe.moe_utils import attach_aux_loss, current_moe_aux_loss_scale
@@ -71,6 +72,9 @@ class GPTModel:
         if config.context_parallel_size != state.context_parallel_size:
             raise ValueError(f"config.context_parallel_size {config.context_parallel_size} does not match the "
                              f"parallel state's context_parallel_size {state.context_parallel_size}")
+        if config.pipeline_schedule == "zb-h1" and self.vpp > 1:
+            raise ValueError(f"pipeline_schedule 'zb-h1' runs one model chunk per stage, got "
+                             f"virtual_pipeline_model_parallel_size {self.vpp}")
         self.layers_per_chunk = config.num_layers // (self.pp * self.vpp)
         self.embedding = GPTEmbedding(config)
         self.layer = TransformerLayer(config)
@@ -543,7 +547,8 @@ class GPTModel:
         moe = self.moe_layer is not None
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        losses, g_chunks, g_shared, _, *stage = execute_stages(
+        execute = execute_stages_zb_h1 if self.config.pipeline_schedule == "zb-h1" else execute_stages
+        losses, g_chunks, g_shared, _, *stage = execute(
             self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], model_state), shared,
             num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe,
             chunk_grad_combine=("sum", "max"))
