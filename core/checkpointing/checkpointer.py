@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from core import checkpointing
 from core.checkpointing.layer_order import from_layer_order, layer_order_target, map_layer_leaves, merge_chunks
+from core.pipeline_parallel.utils import chunk_placement
 
 OPTIMIZER_FORMAT = "global-v1"
 """The marker of checkpoints whose optimizer state is the layout-independent form
@@ -173,6 +174,13 @@ class Checkpointer:
             return False
         return bool(self.config.save_interval) and iteration % self.config.save_interval == 0 or iteration == last
 
+    @property
+    def _placement(self) -> tuple[str, int]:
+        """``(chunk placement, pipeline size)`` of this run's stacked layers, for the conversions
+        to and from layer order (:mod:`~core.checkpointing.layer_order`)."""
+        return (chunk_placement(getattr(self.model_config, "pipeline_schedule", None)),
+                self.layout.pipeline_model_parallel_size)
+
     def model_record(self) -> dict[str, Any]:
         """:func:`model_record` of this run's model."""
         return model_record(self.model_config)
@@ -227,8 +235,9 @@ class Checkpointer:
             # A real copy of the inputs; XLA elides it for what the program computes (the
             # optimizer state's global form), so that is not copied a second time.
             state = jax.tree.map(jnp.copy, gather(params, opt_state, model_state))
-            state["model_state"] = jax.tree.map(merge_chunks, state["model_state"])
-            return map_layer_leaves(merge_chunks, state, self.ddp.param_paths)
+            merge = lambda x: merge_chunks(x, *self._placement)
+            state["model_state"] = jax.tree.map(merge, state["model_state"])
+            return map_layer_leaves(merge, state, self.ddp.param_paths)
 
         if (self.layout.virtual_pipeline_model_parallel_size or 1) == 1:
             return jax.jit(copy)  # merge_chunks is the identity
@@ -365,10 +374,11 @@ class Checkpointer:
         partial = not load_optimizer or any(k not in target for k in saved)
         restored, _ = checkpointing.restore_checkpoint(directory, step, target, partial=partial)
         vpp = self.layout.virtual_pipeline_model_parallel_size or 1
-        restored = map_layer_leaves(lambda x: from_layer_order(x, vpp), restored, self.ddp.param_paths)
+        split = lambda x: from_layer_order(x, vpp, *self._placement)
+        restored = map_layer_leaves(split, restored, self.ddp.param_paths)
         model_state = state.model_state
         if model_state is not None:
-            loaded = {k: jax.tree.map(lambda x: from_layer_order(x, vpp), restored[k]) for k in entries}
+            loaded = {k: jax.tree.map(split, restored[k]) for k in entries}
             model_state = {**model_state, **_model_state_from_entries(loaded)}
         opt_state = self.optimizer.state_from_global(restored["opt_state"]) if load_optimizer else state.opt_state
         return dataclasses.replace(state, params=restored["params"], opt_state=opt_state, model_state=model_state)

@@ -7,6 +7,12 @@ stacking) gives one form for every ``vpp``: checkpoints store it, and a load res
 to the loading run's ``vpp`` (moving layers between pipeline ranks as the new assignment
 wants). Applied to the parameters and to every parameter-shaped leaf of the
 layout-independent optimizer state.
+
+That is Megatron's interleaved placement (row ``(c, r * n + j)`` is layer ``(c * pp + r) * n + j``).
+Under ZB-V's V placement (:data:`~core.pipeline_parallel.utils.V_PLACEMENT`: rank ``r``'s chunk 1
+is virtual stage ``2 pp - 1 - r``) chunk 1's ``pp`` row blocks come in reverse rank order: they are
+flipped on the way to layer order and back, so a ZB-V checkpoint loads into any layout and any
+layout's into ZB-V.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
+
+from core.pipeline_parallel.utils import INTERLEAVED_PLACEMENT, V_PLACEMENT
 
 
 def is_layer_path(path: str) -> bool:
@@ -23,18 +32,36 @@ def is_layer_path(path: str) -> bool:
     return path.startswith("['layers']")
 
 
-def merge_chunks(x: jax.Array) -> jax.Array:
-    """``[vpp, L/vpp, ...]`` -> ``[1, L, ...]`` (traceable: for a jitted program, which then
-    names the sharding of the result; :func:`to_layer_order` outside one)."""
+def _interleave(x: jax.Array, placement: str, pipeline_size: int) -> jax.Array:
+    """``[vpp, pp * n, ...]`` rows of ``placement`` in the interleaved placement's order: under the
+    V placement chunk 1's ``pp`` row blocks reversed (its own inverse), else ``x``."""
+    if placement == INTERLEAVED_PLACEMENT or x.shape[0] == 1 or pipeline_size == 1:
+        return x
+    if placement != V_PLACEMENT or x.shape[0] != 2:
+        raise ValueError(f"chunk placement {placement!r} with {x.shape[0]} chunks: expected interleaved, or v with 2")
+    blocks = x[1].reshape((pipeline_size, -1) + x.shape[2:])
+    return jnp.stack([x[0], blocks[::-1].reshape(x.shape[1:])])
+
+
+def merge_chunks(x: jax.Array, placement: str = INTERLEAVED_PLACEMENT, pipeline_size: int = 1) -> jax.Array:
+    """``[vpp, L/vpp, ...]`` stacked in ``placement`` over ``pipeline_size`` ranks -> ``[1, L, ...]``
+    in layer order (traceable: for a jitted program, which then names the sharding of the result;
+    :func:`to_layer_order` outside one)."""
+    x = _interleave(x, placement, pipeline_size)
     return x if x.shape[0] == 1 else x.reshape((1, -1) + x.shape[2:])
 
 
-def to_layer_order(x: jax.Array) -> jax.Array:
+def split_chunks(x: jax.Array, vpp: int, placement: str = INTERLEAVED_PLACEMENT, pipeline_size: int = 1) -> jax.Array:
+    """Inverse of :func:`merge_chunks` (traceable): ``[1, L, ...]`` -> ``[vpp, L/vpp, ...]``."""
+    return _interleave(x.reshape((vpp, -1) + x.shape[2:]), placement, pipeline_size)
+
+
+def to_layer_order(x: jax.Array, placement: str = INTERLEAVED_PLACEMENT, pipeline_size: int = 1) -> jax.Array:
     """``[vpp, L/vpp, ...]`` -> ``[1, L, ...]``, sharded as before (dim 1 over ``pp``)."""
     if x.shape[0] == 1:
         return x
     sharding = NamedSharding(x.sharding.mesh, x.sharding.spec)
-    return jax.jit(merge_chunks, out_shardings=sharding)(x)
+    return jax.jit(lambda a: merge_chunks(a, placement, pipeline_size), out_shardings=sharding)(x)
 
 
 def layer_order_target(like: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -43,11 +70,13 @@ def layer_order_target(like: jax.Array | jax.ShapeDtypeStruct) -> jax.ShapeDtype
                                 sharding=like.sharding)
 
 
-def from_layer_order(x: jax.Array, vpp: int) -> jax.Array:
-    """Inverse of :func:`to_layer_order` for ``vpp`` model chunks."""
+def from_layer_order(x: jax.Array, vpp: int, placement: str = INTERLEAVED_PLACEMENT,
+                     pipeline_size: int = 1) -> jax.Array:
+    """Inverse of :func:`to_layer_order` for ``vpp`` model chunks in ``placement`` over
+    ``pipeline_size`` ranks."""
     if vpp == 1:
         return x
-    return jax.jit(lambda a: a.reshape((vpp, -1) + a.shape[2:]), out_shardings=x.sharding)(x)
+    return jax.jit(lambda a: split_chunks(a, vpp, placement, pipeline_size), out_shardings=x.sharding)(x)
 
 
 def map_layer_leaves(fn: Callable[[Any], Any], state: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:

@@ -5,7 +5,7 @@
 * ``timeline`` + ``table_driven``: Megatron's exact 1F1B / interleaved orders placed into global slots and
   run as one scan (Megatron's bubble); behind ``schedules``' entry points.
 * ``zero_bubble`` + ``zero_bubble_executor``: ZB-H1 / ZB-V slot tables (B/W-split backward) and the
-  ZB-H1 executor.
+  executors of ZB-H1 and ZB-V (its V placement: ``utils.virtual_stage``).
 * ``schedules``: Megatron's ``get_forward_backward_func`` and ``forward_backward_*`` contract.
 * ``p2p_communication``: Megatron-named stage transfers on ``ppermute``.
 * ``utils``: layers per stage / chunk and layer offsets.
@@ -22,6 +22,7 @@ from core.pipeline_parallel.schedules import (
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     forward_backward_pipelining_zero_bubble,
+    forward_backward_pipelining_zero_bubble_v,
     get_forward_backward_func,
 )
 from core.pipeline_parallel.utils import get_num_layers_to_build, split_microbatches
@@ -29,7 +30,7 @@ from core.pipeline_parallel.utils import get_num_layers_to_build, split_microbat
 __all__ = [
     "PipelineModule", "execute_pipeline", "execute_pipeline_step", "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving", "forward_backward_pipelining_without_interleaving",
-    "forward_backward_pipelining_zero_bubble",
+    "forward_backward_pipelining_zero_bubble", "forward_backward_pipelining_zero_bubble_v",
     "get_forward_backward_func", "get_num_layers_to_build", "send_backward_recv_backward",
     "send_forward_recv_backward", "send_forward_recv_forward", "split_microbatches",
 ]

@@ -38,7 +38,7 @@ from jax import lax
 
 from core import parallel_state as ps
 from core.pipeline_parallel.table_driven import execute_schedule, split_loss
-from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1
+from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1, execute_schedule_zb_v
 
 
 def _ddp_model(model: Any) -> Any:
@@ -151,14 +151,25 @@ def forward_backward_pipelining_with_interleaving(*, forward_step_func: Callable
                                         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
                                         axis_name=axis_name)
     del seq_length, micro_batch_size
+
+    def execute(stage_fn, data, params, vpp):
+        return execute_schedule(forward_step_func, data, stage_fn, params, num_model_chunks=vpp,
+                                forward_only=forward_only,
+                                microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                axis_name=axis_name)
+
+    return _run_chunks(execute, model, _take(data_iterator, num_microbatches))
+
+
+def _run_chunks(execute: Callable, model: tuple | list, data: Any) -> tuple:
+    """``execute(stage_fn, data, params with a leading [vpp] dim, vpp)`` on ``model`` given as a
+    list of ``(stage_fn, chunk_params)`` or as ``(stage_fn, stacked params)``; the grads come back
+    in the same form as ``model``'s params."""
     chunks = isinstance(model, list)
     stage_fn = model[0][0] if chunks else model[0]
     params = jax.tree.map(lambda *a: jnp.stack(a), *[p for _, p in model]) if chunks else model[1]
     vpp = jax.tree.leaves(params)[0].shape[0]
-    losses, grads, ntok = execute_schedule(
-        forward_step_func, _take(data_iterator, num_microbatches), stage_fn, params, num_model_chunks=vpp,
-        forward_only=forward_only, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-        axis_name=axis_name)
+    losses, grads, ntok = execute(stage_fn, data, params, vpp)
     if chunks and grads is not None:
         grads = [jax.tree.map(lambda a, c=c: a[c], grads) for c in range(vpp)]
     return losses, grads, ntok
@@ -186,24 +197,56 @@ def forward_backward_pipelining_zero_bubble(*, forward_step_func: Callable, data
     return losses, (None if grads is None else jax.tree.map(lambda a: a[0], grads)), ntok
 
 
-SCHEDULES = ("1f1b", "interleaved", "zb-h1")
+def forward_backward_pipelining_zero_bubble_v(*, forward_step_func: Callable, data_iterator: Iterator | list,
+                                              model: tuple | list, num_microbatches: int,
+                                              seq_length: int | None = None, micro_batch_size: int | None = None,
+                                              forward_only: bool = False, axis_name: str = "pp"):
+    """ZB-V zero-bubble pipelining over ``axis_name`` (Qi et al., ICLR 2024) with
+    :func:`forward_backward_pipelining_with_interleaving`'s contract for two chunks, placed in a V:
+    chunk 0 of rank ``r`` is virtual stage ``r``, chunk 1 is ``2 pp - 1 - r`` (the first and last
+    stages on rank 0); each backward runs as B and a later W
+    (:func:`~core.pipeline_parallel.zero_bubble_executor.execute_stages_zb_v`). Needs
+    ``num_microbatches >= pp``."""
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if (ddp := _ddp_model(model)) is not None:
+        return ddp.run_forward_backward(forward_backward_pipelining_zero_bubble_v,
+                                        forward_step_func=forward_step_func, data_iterator=data_iterator,
+                                        num_microbatches=num_microbatches, forward_only=forward_only,
+                                        axis_name=axis_name)
+    del seq_length, micro_batch_size
+
+    def execute(stage_fn, data, params, vpp):
+        if vpp != 2:
+            raise ValueError(f"ZB-V runs two model chunks per pipeline rank, got {vpp}")
+        return execute_schedule_zb_v(forward_step_func, data, stage_fn, params, forward_only=forward_only,
+                                     axis_name=axis_name)
+
+    return _run_chunks(execute, model, _take(data_iterator, num_microbatches))
+
+
+SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
 """The names :func:`get_forward_backward_func` takes (``--pipeline-schedule``'s choices)."""
 
 
 def get_forward_backward_func(state: ps.ParallelState | None = None, schedule: str | None = None) -> Callable:
     """Pick the schedule by the pipeline and virtual-pipeline sizes, as Megatron does, or by
     ``schedule`` (one of :data:`SCHEDULES`; ``"zb-h1"`` and ``"1f1b"`` need one chunk per stage,
-    ``"interleaved"`` more). Without pipelining every schedule is the plain microbatch loop."""
+    ``"interleaved"`` more, ``"zb-v"`` two). Without pipelining every schedule is the plain
+    microbatch loop."""
     state = state if state is not None else ps.get_parallel_state()
     pp = state.pipeline_model_parallel_size
     vpp = getattr(state, "virtual_pipeline_model_parallel_size", None) or 1
     if schedule is not None and schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    if schedule is not None and (schedule == "interleaved") != (vpp > 1):
-        raise ValueError(f"schedule {schedule!r} does not fit virtual_pipeline_model_parallel_size {vpp} "
-                         "(interleaved needs > 1, the others 1)")
     if pp == 1:
         return forward_backward_no_pipelining
+    fits = {"interleaved": vpp > 1, "zb-v": vpp == 2}.get(schedule, vpp == 1)
+    if schedule is not None and not fits:
+        raise ValueError(f"schedule {schedule!r} does not fit virtual_pipeline_model_parallel_size {vpp} "
+                         "(interleaved needs > 1, zb-v 2, the others 1)")
+    if schedule == "zb-v":
+        return forward_backward_pipelining_zero_bubble_v
     if vpp > 1:
         return forward_backward_pipelining_with_interleaving
     if schedule == "zb-h1":

@@ -192,12 +192,15 @@ def _validate_pipeline_schedule(args: argparse.Namespace, dp: int) -> None:
         return
     if schedule == "interleaved" and vpp == 1:
         raise ArgumentError("--pipeline-schedule interleaved needs --virtual-pipeline-model-parallel-size > 1")
-    if schedule != "interleaved" and vpp > 1:
+    if schedule == "zb-v" and vpp != 2:
+        raise ArgumentError(f"--pipeline-schedule zb-v runs two model chunks per stage in a V: it needs "
+                            f"--virtual-pipeline-model-parallel-size 2, got {vpp}")
+    if schedule not in ("interleaved", "zb-v") and vpp > 1:
         raise ArgumentError(f"--pipeline-schedule {schedule} runs one model chunk per stage; "
                             f"--virtual-pipeline-model-parallel-size {vpp} needs interleaved")
     m = args.global_batch_size // (args.micro_batch_size * dp)
-    if schedule == "zb-h1" and pp > 1 and m < pp:
-        raise ArgumentError(f"--pipeline-schedule zb-h1 needs at least pipeline-model-parallel-size {pp} "
+    if schedule in ("zb-h1", "zb-v") and pp > 1 and m < pp:
+        raise ArgumentError(f"--pipeline-schedule {schedule} needs at least pipeline-model-parallel-size {pp} "
                             f"microbatches per step, got {m} (global-batch-size / (micro-batch-size x dp))")
 
 

@@ -114,11 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages (default: 2 when the world size is 8, else 1)")
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="model chunks per pipeline stage (interleaved 1F1B)")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zb-h1"], default=None,
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "interleaved", "zb-h1", "zb-v"], default=None,
                    help="pipeline schedule: Megatron's 1F1B (the default without virtual stages), interleaved 1F1B "
-                        "(the default, and the only choice, with --virtual-pipeline-model-parallel-size > 1) or "
-                        "ZB-H1 zero-bubble (one chunk per stage, at least pp microbatches: each backward split "
-                        "into the input gradient and a weight gradient that fills the bubble)")
+                        "(the default with --virtual-pipeline-model-parallel-size > 1), ZB-H1 zero-bubble (one "
+                        "chunk per stage, at least pp microbatches: each backward split into the input gradient "
+                        "and a weight gradient that fills the bubble) or ZB-V (zero-bubble with two chunks per "
+                        "stage in a V: --virtual-pipeline-model-parallel-size 2, at least pp microbatches)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context-parallel size: every sample's sequence split over this many ranks "
                         "(load-balanced chunks; dp = world / (tp x pp x cp))")

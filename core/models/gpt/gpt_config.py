@@ -28,10 +28,11 @@ class GPTConfig(TransformerConfig):
     """Unroll the loop over a chunk's layers: faster steps (a rolled ``lax.scan`` stacks every
     layer's residuals, a sizeable share of a CPU step), compile time linear in the layer count."""
     pipeline_schedule: str | None = None
-    """The pipeline schedule: ``"zb-h1"`` (zero-bubble, one chunk per stage:
-    :mod:`core.pipeline_parallel.zero_bubble_executor`), or None / ``"1f1b"`` / ``"interleaved"``
-    for Megatron's 1F1B (interleaved with virtual stages). An execution choice: the parameters and
-    results do not depend on it."""
+    """The pipeline schedule: ``"zb-h1"`` (zero-bubble, one chunk per stage) or ``"zb-v"``
+    (zero-bubble, two chunks per stage in ZB-V's V placement) of
+    :mod:`core.pipeline_parallel.zero_bubble_executor`, or None / ``"1f1b"`` / ``"interleaved"``
+    for Megatron's 1F1B (interleaved with virtual stages). An execution choice: the results do
+    not depend on it, and checkpoints store the layers in layer order whatever the placement."""
 
     @property
     def vocab_rows(self) -> int:

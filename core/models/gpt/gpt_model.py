@@ -19,7 +19,10 @@ takes the whole dict so the options reach the layers on both training paths.
 
 Layer ``l`` sits at ``layers[l // (L/vpp), l % (L/vpp)]``, so pipeline rank ``r`` holds, in chunk
 ``c``, the layers of virtual stage ``c * pp + r`` (Megatron's interleaved assignment) and the
-global arrays are the same for every layout with the same ``vpp``. Layer ``l`` is initialised
+global arrays are the same for every layout with the same ``vpp``. Under ``pipeline_schedule``
+``"zb-v"`` (two chunks) rank ``r``'s chunk 1 holds virtual stage ``2 pp - 1 - r`` instead (ZB-V's
+V placement, :meth:`GPTModel.virtual_stage`): the arrays keep their shape, chunk 1's row blocks
+come in reverse rank order (``core/checkpointing/layer_order.py`` converts). Layer ``l`` is initialised
 from ``fold_in(key, l)`` and every weight tensor-parallel-invariantly, so the initial model does
 not depend on tp, pp or dp. Embedding and head live on every pipeline stage (used by the first
 and last); ``finalize_model_grads`` sums their grads over ``"pp"``, Megatron's embedding group.
@@ -51,8 +54,8 @@ from core.models.gpt.gpt_layers import GPTEmbedding, GPTOutputHead, language_mod
 from core.parallel_state import CP_AXIS, PP_AXIS, TP_AXIS, ParallelState
 from core.param_metadata import abstract_boxed_params, param_info_tree, unbox
 from core.pipeline_parallel.table_driven import execute_stages
-from core.pipeline_parallel.utils import split_microbatches
-from core.pipeline_parallel.zero_bubble_executor import execute_stages_zb_h1
+from core.pipeline_parallel.utils import chunk_placement, split_microbatches, virtual_stage
+from core.pipeline_parallel.zero_bubble_executor import execute_stages_zb_h1, execute_stages_zb_v
 from core.transformer.layer_context import LayerContext
 from core.transformer.moe import MOE_STATE, get_updated_expert_bias
 from core.transformer.moe.moe_utils import attach_aux_loss, current_moe_aux_loss_scale
@@ -75,6 +78,12 @@ class GPTModel:
         if config.pipeline_schedule == "zb-h1" and self.vpp > 1:
             raise ValueError(f"pipeline_schedule 'zb-h1' runs one model chunk per stage, got "
                              f"virtual_pipeline_model_parallel_size {self.vpp}")
+        if config.pipeline_schedule == "zb-v" and self.vpp != 2:
+            raise ValueError(f"pipeline_schedule 'zb-v' runs two model chunks per stage, got "
+                             f"virtual_pipeline_model_parallel_size {self.vpp}")
+        self.placement = chunk_placement(config.pipeline_schedule)
+        """Which virtual stage each rank's chunk is (:meth:`virtual_stage`): Megatron's interleaved
+        placement, or ZB-V's V placement under ``pipeline_schedule`` ``"zb-v"``."""
         self.layers_per_chunk = config.num_layers // (self.pp * self.vpp)
         self.embedding = GPTEmbedding(config)
         self.layer = TransformerLayer(config)
@@ -88,6 +97,13 @@ class GPTModel:
         use (:class:`~core.distributed.fsdp.ParamGather`; set by ``DistributedDataParallel``).
         None: the parameters arrive whole."""
 
+    def virtual_stage(self, chunk: Any, rank: Any) -> Any:
+        """Virtual stage of this model's chunk ``chunk`` on pipeline rank ``rank`` (ints or traced
+        arrays): ``chunk * pp + rank`` (interleaved), or under ZB-V ``rank`` for chunk 0 and
+        ``2 pp - 1 - rank`` for chunk 1. Chunk ``c`` of rank ``r`` holds layers
+        ``virtual_stage(c, r) * layers_per_chunk`` onwards, at rows ``r * n ...`` of ``layers[c]``."""
+        return virtual_stage(self.placement, self.pp, rank, chunk)
+
     # -- parameters -----------------------------------------------------------------------
     def init(self, rng: jax.Array, tokens: jax.Array) -> dict:
         """Boxed local parameters (inside ``shard_map``; ``tokens`` a local ``[b, s]`` sample).
@@ -98,7 +114,7 @@ class GPTModel:
         k_emb, k_layers, k_head = jax.random.split(rng, 3)
         emb = self.embedding.init(k_emb, tokens)["params"]
         x = self.embedding.apply({"params": unbox(emb)}, tokens)
-        first = (jnp.arange(self.vpp)[:, None] * self.pp + lax.axis_index(PP_AXIS)) * self.layers_per_chunk
+        first = self.virtual_stage(jnp.arange(self.vpp)[:, None], lax.axis_index(PP_AXIS)) * self.layers_per_chunk
         index = first + jnp.arange(self.layers_per_chunk)[None, :]
         if self.moe_layer is None:
             one = lambda i: self.layer.init(jax.random.fold_in(k_layers, i), x)["params"]
@@ -235,9 +251,9 @@ class GPTModel:
         the same global counts (hence the same bias)."""
         tpe = jnp.round(local_metrics["moe_tokens_per_expert"] * num_microbatches)
         tpe = lax.psum(tpe, self.state.data_parallel_axis_name)  # [vpp * pp * n_chunk, E], layer order
-        bias = moe_state["expert_bias"]  # local [vpp, n_chunk, E]; layer order row = (c * pp + r) * n_chunk + j
+        bias = moe_state["expert_bias"]  # local [vpp, n_chunk, E]; layer order row = virtual_stage(c, r) * n_chunk + j
         vpp, n_chunk, e = bias.shape
-        tpe = tpe.reshape(vpp, self.pp, n_chunk, e)[:, lax.axis_index(PP_AXIS)]
+        tpe = tpe.reshape(vpp * self.pp, n_chunk, e)[self.virtual_stage(jnp.arange(vpp), lax.axis_index(PP_AXIS))]
         rate = self.config.moe.moe_router_bias_update_rate
         return {"expert_bias": get_updated_expert_bias(tpe, bias, rate)}
 
@@ -547,7 +563,8 @@ class GPTModel:
         moe = self.moe_layer is not None
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        execute = execute_stages_zb_h1 if self.config.pipeline_schedule == "zb-h1" else execute_stages
+        execute = {"zb-h1": execute_stages_zb_h1, "zb-v": execute_stages_zb_v}.get(self.config.pipeline_schedule,
+                                                                                 execute_stages)
         losses, g_chunks, g_shared, _, *stage = execute(
             self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], model_state), shared,
             num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe,
