@@ -67,3 +67,13 @@ def test_zero_bubble_loss_trajectory_matches_single_device():
     tp, pp, extra = LAYOUTS[3]
     losses = layout_losses(tp, pp, jax.devices(), extra=extra + ("--pipeline-schedule", "zb-h1"))
     np.testing.assert_allclose(losses, _reference(), rtol=1e-4)
+
+
+def test_zb_v_loss_trajectory_matches_single_device():
+    # ZB-V at tp2 x pp2 x dp2 with SP and the distributed optimizer over 8 processes (m = 4 = 2pp):
+    # chunk 0's activations go down and chunk 1's up across processes, the turn of the V stays on
+    # rank pp - 1, and the W grads feed the same reduction as interleaved 1F1B's.
+    tp, pp, extra = LAYOUTS[3]
+    zb_v = ("--pipeline-schedule", "zb-v", "--virtual-pipeline-model-parallel-size", "2")
+    losses = layout_losses(tp, pp, jax.devices(), extra=extra + zb_v)
+    np.testing.assert_allclose(losses, _reference(), rtol=1e-4)

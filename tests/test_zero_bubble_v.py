@@ -220,7 +220,7 @@ LATER = 3
 def test_checkpoints_move_between_the_v_and_other_placements(tmp_path):
     # pp2, m = pp = 2 (tp2 with SP, dp2), MoE with the expert bias (model state stacked like the layers):
     # a ZB-V save resumes under interleaved 1F1B (pp2 vpp2) and one stage, and an interleaved save
-    # under ZB-V, with the same next losses.
+    # under ZB-V, with the same next losses (and evaluation losses).
     flags = MOE + ("--global-batch-size", "8", "--sequence-parallel")
     a = layout_trainer(2, 2, jax.devices(), 8, flags + ZBV)
     for _ in range(3):
@@ -232,12 +232,14 @@ def test_checkpoints_move_between_the_v_and_other_placements(tmp_path):
     assert interleaved.load(str(tmp_path / "v")) and interleaved.iteration == 3
     interleaved.save(str(tmp_path / "interleaved"))
     interleaved.finish_saving()
+    evaluated = interleaved.evaluate()  # forward only, before the next steps
     np.testing.assert_allclose([interleaved.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
     one = layout_trainer(2, 1, jax.devices()[:2], 8, flags)
     assert one.load(str(tmp_path / "v"))
     np.testing.assert_allclose([one.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
     back = layout_trainer(2, 2, jax.devices(), 8, flags + ZBV)
     assert back.load(str(tmp_path / "interleaved")) and back.iteration == 3
+    np.testing.assert_allclose(back.evaluate(), evaluated, rtol=1e-5)  # ZB-V's forward-only table
     np.testing.assert_allclose([back.step()["loss"] for _ in range(LATER)], later, rtol=1e-5)
 
 
