@@ -16,7 +16,9 @@ rank, each a full stage (i.e. twice the layers). ZB-H1 runs the zero-bubble exec
 (``core.pipeline_parallel.zero_bubble_executor``: each backward split into B, the input
 gradient, and a later W, the weight gradient); its slot bubble counts F, B and W as one slot
 each (``ZeroBubbleTimeline.bubble_fraction()``), next to 1F1B's in the same units (the paper's
-``(p-1)/(m+p-1)`` with a backward of B + W) in the Megatron column.
+``(p-1)/(m+p-1)`` with a backward of B + W) in the Megatron column. ZB-V runs the same executor
+with two chunks per rank in a V (chunk 1 of rank ``r`` is virtual stage ``2 pp - 1 - r``), each a
+full stage like the interleaved row's (2x layers): compare its step time with that row.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def main() -> None:
     from core import parallel_state as ps
     from core.pipeline_parallel.table_driven import forward_backward_table_driven
     from core.pipeline_parallel.timeline import build_timeline
-    from core.pipeline_parallel.zero_bubble import build_zb_h1_timeline, one_f_one_b_reference
-    from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1
+    from core.pipeline_parallel.zero_bubble import build_zb_h1_timeline, build_zb_v_timeline, one_f_one_b_reference
+    from core.pipeline_parallel.zero_bubble_executor import execute_schedule_zb_h1, execute_schedule_zb_v
 
     pp, hid = args.pp, args.hidden
     state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
@@ -85,6 +87,14 @@ def main() -> None:
 
     def megatron_interleaved(p, x, t):
         return forward_backward_table_driven(stage, loss_fn, p, x, t, num_model_chunks=2)
+
+    def zb_v(p, x, t):  # ZB-V: two chunks per rank in the V placement (params with a chunk dim of 2)
+        def forward_step_func(d, model):
+            y = model(d["x"])
+            return y, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
+
+        losses, g, _ = execute_schedule_zb_v(forward_step_func, {"x": x, "t": t}, stage, p)
+        return jnp.mean(jnp.stack([d["loss"] for d in losses])), g
 
     def build(fn):
         def body(p, x, t):
@@ -133,12 +143,17 @@ def main() -> None:
         # Interleaved: 2 chunks per rank, each half the width's work would need half-size stages; here each
         # chunk is a full stage (2x the model), so compare its slot bubble and memory, not its step time.
         ip = jax.tree.map(lambda a: jnp.stack([a, a], axis=1), params)
-        grid = build_timeline(m, pp, 2).bubble_fraction()
-        f = build(megatron_interleaved)
-        temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
-        step = timed(f, ip, x, t)
-        print(f"| interleaved v=2, Megatron order (2x layers) | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} "
-              f"| {1 - 2 * ideal / step:.2f} | {grid:.2f} | {(pp - 1) / (2 * m):.2f} | {temp / 1024:.0f} |")
+        rows = [("interleaved v=2, Megatron order (2x layers)", megatron_interleaved,
+                 build_timeline(m, pp, 2).bubble_fraction(), f"{(pp - 1) / (2 * m):.2f}")]
+        if m >= pp:  # ZB-V needs a microbatch per stage
+            rows.append(("ZB-V v=2 (F, B, W slots; 2x layers)", zb_v, build_zb_v_timeline(m, pp).bubble_fraction(),
+                         f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"))
+        for name, fn, grid, theory in rows:
+            f = build(fn)
+            temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes
+            step = timed(f, ip, x, t)
+            print(f"| {name} | {m} | {step * 1e3:.1f} | {2 * ideal * 1e3:.1f} | {1 - 2 * ideal / step:.2f} "
+                  f"| {grid:.2f} | {theory} | {temp / 1024:.0f} |")
 
 if __name__ == "__main__":
     main()
