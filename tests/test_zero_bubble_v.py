@@ -2,8 +2,8 @@
 executor on a toy model (compared by virtual stage: the two place chunk 1 differently), its
 buffers match the table's activation bound, and GPT pretraining with ``--pipeline-schedule zb-v``
 equals one device (losses and parameters after 5 steps, in layer order) across tp/SP, dp, the
-distributed optimizer, MoE with expert bias and FP8 delayed scaling; checkpoints move between
-ZB-V's V placement and the interleaved one."""
+distributed optimizer, MoE with expert bias and FP8 delayed scaling at pp2 and pp4 with m = pp,
+2pp and odd counts; checkpoints move between ZB-V's V placement and the interleaved one."""
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +192,8 @@ CASES = {
                                                                                    "2")),
     # pp4, m = 2pp = 8 (dp1): tp2 with SP.
     "tp2_pp4_sp_m8": (2, 4, DEEP, ("--sequence-parallel",)),
+    # pp4, m = pp = 4 (dp2): the distributed optimizer.
+    "pp4_dp2_distopt_m4": (1, 4, DEEP, ("--use-distributed-optimizer",)),
 }
 
 

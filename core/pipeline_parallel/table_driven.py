@@ -23,8 +23,9 @@ Two entry points share the executor:
 :func:`execute_stages` can also sum a ``stage_metrics`` dict over every virtual stage (e.g. the
 MoE losses of each chunk's layers), where ``losses_reduced`` only holds the last stage's.
 
-ZB-H1 (the backward split into an input-gradient B and a later weight-gradient W) runs the same
-contract in :mod:`core.pipeline_parallel.zero_bubble_executor`, on :func:`stage_runner` and
+ZB-H1 and ZB-V (the backward split into an input-gradient B and a later weight-gradient W; ZB-V
+with its own V placement of the two chunks) run the same contract in
+:mod:`core.pipeline_parallel.zero_bubble_executor`, on :func:`stage_runner` and
 :func:`accumulate_chunk_grads`.
 
 ``params`` carries a leading ``[num_model_chunks]`` dimension (this rank's chunks; chunk ``c``
