@@ -2,8 +2,8 @@
 executor on a toy model (compared by virtual stage: the two place chunk 1 differently), its
 buffers match the table's activation bound, and GPT pretraining with ``--pipeline-schedule zb-v``
 equals one device (losses and parameters after 5 steps, in layer order) across tp/SP, dp, the
-distributed optimizer, MoE with expert bias and FP8 delayed scaling at pp2 and pp4 with m = pp,
-2pp and odd counts; checkpoints move between ZB-V's V placement and the interleaved one."""
+distributed optimizer, ZeRO-3, cp, recompute, MoE with expert bias, bf16 and FP8 delayed scaling at
+pp2 and pp4 with m = pp, 2pp and odd counts; checkpoints move between ZB-V's V placement and the interleaved one."""
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +194,11 @@ CASES = {
     "tp2_pp4_sp_m8": (2, 4, DEEP, ("--sequence-parallel",)),
     # pp4, m = pp = 4 (dp2): the distributed optimizer.
     "pp4_dp2_distopt_m4": (1, 4, DEEP, ("--use-distributed-optimizer",)),
+    # pp2, m = 2pp = 4 (cp2, dp2): context parallelism with full recompute.
+    "pp2_cp2_dp2_recompute_m4": (1, 2, (), ("--context-parallel-size", "2", "--recompute-activations")),
+    # pp2, m = 4 (tp2, dp2): Megatron-FSDP ZeRO-3 (each layer gathered for its F, B and W) with SP.
+    "tp2_pp2_dp2_zero3_sp_m4": (2, 2, (), ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                           "optim_grads_params", "--sequence-parallel")),
 }
 
 
@@ -201,6 +206,13 @@ CASES = {
 def test_zb_v_pretraining_equals_one_device(references, case):
     tp, pp, model, layout = CASES[case]
     _assert_matches(_run(tp, pp, jax.devices(), model + layout + ZBV), references(model), rtol=1e-4)
+
+
+def test_zb_v_bf16_trains_close_to_fp32(references):
+    # pp2, m = 2pp = 4 (tp2, dp2) with SP: bf16 activations, fp32 params.
+    losses, _ = _run(2, 2, jax.devices(), ("--bf16", "--sequence-parallel") + ZBV)
+    assert np.all(np.isfinite(losses))
+    np.testing.assert_allclose(losses, references(())[0], rtol=3e-2)
 
 
 def test_zb_v_fp8_delayed_equals_one_device_and_interleaved(references):
