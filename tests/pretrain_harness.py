@@ -38,6 +38,19 @@ def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
     return Pretrainer(pretrain_config(args), layout, state)
 
 
+def cached_by_flags(run):
+    """``get(flags)``: ``run(flags)`` computed once per flags tuple (one-device references shared
+    by a test module's cases)."""
+    cache = {}
+
+    def get(flags: tuple):
+        if flags not in cache:
+            cache[flags] = run(flags)
+        return cache[flags]
+
+    return get
+
+
 def reference_losses(iters: int = 10, extra: tuple = ()) -> list[float]:
     """The same run on one device of this process."""
     return layout_losses(1, 1, [jax.local_devices()[0]], iters, extra)

@@ -27,7 +27,7 @@ import pytest
 from hlo_checks import scheduled_ops
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from pretrain_harness import layout_trainer
+from pretrain_harness import cached_by_flags, layout_trainer
 
 from core import parallel_state as ps
 from core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -64,14 +64,7 @@ def _run(tp: int, pp: int, devices: list, flags: tuple) -> tuple[list[dict], lis
 @pytest.fixture(scope="module")
 def references():
     """One-device runs by model flags (computed on first use)."""
-    cache = {}
-
-    def get(flags: tuple):
-        if flags not in cache:
-            cache[flags] = _run(1, 1, [jax.local_devices()[0]], flags)
-        return cache[flags]
-
-    return get
+    return cached_by_flags(lambda flags: _run(1, 1, [jax.local_devices()[0]], flags))
 
 
 def assert_same_training(actual, expected, loss_rtol=1e-5, norm_rtol=1e-5, params_rtol=1e-4, params_atol=1e-5,

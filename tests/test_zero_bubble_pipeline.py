@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from pretrain_harness import TINY, layout_trainer
+from pipeline_toys import MB, H, toy_stage_step
+from pretrain_harness import TINY, cached_by_flags, layout_trainer
 
 from core import parallel_state as ps
 from core.pipeline_parallel.schedules import (
@@ -26,19 +27,6 @@ from core.pipeline_parallel.zero_bubble_executor import (
 )
 from core.training.arguments import ArgumentError, model_config, parse_args, validate_args
 
-H, MB = 4, 2
-
-
-def _toy_step(p, shared, d, received, vs, last):
-    """Stage 0 embeds with the shared matrix, the last stage's loss uses it again (tied); every
-    stage reports its output's sum; the chunk's ``amax`` leaf receives a max-combined cotangent."""
-    chunk, amax = p
-    x = jnp.where(vs == 0, d["x"] @ shared["emb"], received)
-    y = jnp.tanh(x @ chunk["w"] + chunk["b"]) * amax
-    loss = jnp.where(vs == last, jnp.mean((y @ shared["emb"].T - d["t"]) ** 2), 0.0)
-    metrics = {"sum": jax.lax.stop_gradient(jnp.sum(y))}
-    return y, (loss, {"loss": loss}), metrics
-
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 9)])
 def test_executor_equals_1f1b_executor(pp, m):
@@ -49,7 +37,7 @@ def test_executor_equals_1f1b_executor(pp, m):
     amax = (1.0 + rng.random(size=(pp, 1))).astype(np.float32)
     shared = {"emb": rng.normal(size=(H, H)).astype(np.float32)}
     data = {"x": rng.normal(size=(m, MB, H)).astype(np.float32), "t": rng.normal(size=(m, MB, H)).astype(np.float32)}
-    step = lambda p, sp, d, r, vs: _toy_step(p, sp, d, r, vs, pp - 1)
+    step = lambda p, sp, d, r, vs: toy_stage_step(p, sp, d, r, vs, pp - 1)
 
     def body(chunk, amax, shared, data):
         p = (jax.tree.map(lambda a: a[0], chunk), amax[0])
@@ -94,14 +82,7 @@ def _run(tp: int, pp: int, devices: list, flags: tuple) -> tuple[list[float], li
 @pytest.fixture(scope="module")
 def references():
     """One-device runs by flags (computed on first use)."""
-    cache = {}
-
-    def get(flags: tuple):
-        if flags not in cache:
-            cache[flags] = _run(1, 1, [jax.local_devices()[0]], flags)
-        return cache[flags]
-
-    return get
+    return cached_by_flags(lambda flags: _run(1, 1, [jax.local_devices()[0]], flags))
 
 
 def _assert_matches(actual, expected, rtol: float, params_atol: float = 6e-5) -> None:

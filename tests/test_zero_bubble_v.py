@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from pretrain_harness import TINY, layout_trainer
+from pipeline_toys import MB, H, toy_stage_step
+from pretrain_harness import TINY, cached_by_flags, layout_trainer
 
 from core import parallel_state as ps
 from core.checkpointing.layer_order import from_layer_order, to_layer_order
@@ -32,19 +33,6 @@ from core.pipeline_parallel.zero_bubble_executor import (
 )
 from core.training.arguments import ArgumentError, model_config, parse_args, validate_args
 
-H, MB = 4, 2
-
-
-def _toy_step(p, shared, d, received, vs, last):
-    """Stage 0 embeds with the shared matrix, the last stage's loss uses it again (tied); every
-    stage reports its output's sum; the chunk's ``amax`` leaf receives a max-combined cotangent."""
-    chunk, amax = p
-    x = jnp.where(vs == 0, d["x"] @ shared["emb"], received)
-    y = jnp.tanh(x @ chunk["w"] + chunk["b"] + 0.1 * vs) * amax
-    loss = jnp.where(vs == last, jnp.mean((y @ shared["emb"].T - d["t"]) ** 2), 0.0)
-    metrics = {"sum": jax.lax.stop_gradient(jnp.sum(y))}
-    return y, (loss, {"loss": loss}), metrics
-
 
 def _by_rank(per_stage: np.ndarray, stage_of) -> np.ndarray:
     """[2 pp, ...] per virtual stage -> [pp, 2, ...] per (rank, chunk) under ``stage_of``."""
@@ -61,7 +49,7 @@ def test_executor_equals_interleaved_executor(pp, m):
     amax = (1.0 + rng.random(size=(2 * pp,))).astype(np.float32)
     shared = {"emb": rng.normal(size=(H, H)).astype(np.float32)}
     data = {"x": rng.normal(size=(m, MB, H)).astype(np.float32), "t": rng.normal(size=(m, MB, H)).astype(np.float32)}
-    step = lambda p, sp, d, r, vs: _toy_step(p, sp, d, r, vs, 2 * pp - 1)
+    step = lambda p, sp, d, r, vs: toy_stage_step(p, sp, d, r, vs, 2 * pp - 1)
     placements = {"interleaved": lambda r, c: c * pp + r, "v": lambda r, c: v_stage(pp, r, c)}
 
     def body(execute):
@@ -161,14 +149,7 @@ def _run(tp: int, pp: int, devices: list, flags: tuple) -> tuple[list[float], li
 @pytest.fixture(scope="module")
 def references():
     """One-device runs by flags (computed on first use)."""
-    cache = {}
-
-    def get(flags: tuple):
-        if flags not in cache:
-            cache[flags] = _run(1, 1, [jax.local_devices()[0]], flags)
-        return cache[flags]
-
-    return get
+    return cached_by_flags(lambda flags: _run(1, 1, [jax.local_devices()[0]], flags))
 
 
 def _assert_matches(actual, expected, rtol: float, params_atol: float = 6e-5) -> None:
