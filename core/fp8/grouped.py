@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from core.fp8.config import DY, NUM_SLOTS, FP8Config, W, X
-from core.fp8.linear import _operand_scales, quantize
+from core.fp8.config import DY, FP8Config, W, X
+from core.fp8.linear import _operand_scales, amax, dequantize, quantize, stored_scale
 
 # dgrad: dy [t, out] . w [E, in, out] over out, w's group dim 0, dy's rows ragged.
 _DGRAD = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
@@ -76,12 +76,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, config
     amaxes the GEMMs saw. ``gemm``: the grouped-GEMM backend (module docstring; None:
     :class:`RaggedDotGemm`); it must be hashable.
     """
-    if not config.enabled:
-        raise ValueError("fp8_ragged_dot needs an FP8Config with a format (fp8='e4m3' or 'hybrid')")
-    if scale is None:
-        if config.delayed:
-            raise ValueError("the delayed recipe quantizes with stored scales: pass scale (f32[3])")
-        scale = jnp.ones((NUM_SLOTS,), jnp.float32)
+    scale = stored_scale(config, scale, "fp8_ragged_dot")
     return _fp8_grouped(config, gemm or RaggedDotGemm(), x, w, group_sizes.astype(jnp.int32), scale)
 
 
@@ -89,11 +84,6 @@ def _masked_amax(a: jax.Array, num_valid: jax.Array) -> jax.Array:
     """``max(|a|)`` over the first ``num_valid`` rows, fp32."""
     valid = jnp.arange(a.shape[0]) < num_valid
     return jnp.max(jnp.where(valid[:, None], jnp.abs(a), 0)).astype(jnp.float32)
-
-
-def _dequantize(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
-    """A GEMM's result times its operands' inverse scales (TE's scale_inv)."""
-    return out * ((1.0 / scale_a) * (1.0 / scale_b)).astype(out.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -105,12 +95,12 @@ def _fp8_grouped(config: FP8Config, gemm: Any, x: jax.Array, w: jax.Array, group
 def _fp8_grouped_fwd(config: FP8Config, gemm: Any, x: jax.Array, w: jax.Array, group_sizes: jax.Array,
                      scale: jax.Array):
     num_valid = jnp.sum(group_sizes)
-    amax_x, amax_w = _masked_amax(x, num_valid), jnp.max(jnp.abs(w)).astype(jnp.float32)
+    amax_x, amax_w = _masked_amax(x, num_valid), amax(w)
     sx, sw = _operand_scales(config, scale, (amax_x, amax_w), (X, W))
     xq, wq = quantize(x, sx, config.forward_dtype), quantize(w, sw, config.forward_dtype)
     out_dtype = jnp.result_type(x.dtype, w.dtype)
     plan = gemm.plan(group_sizes, x.shape[0])
-    y = _dequantize(gemm.dot(xq, wq, plan, preferred_element_type=out_dtype), sx, sw)
+    y = dequantize(gemm.dot(xq, wq, plan, preferred_element_type=out_dtype), sx, sw)
     # Zero-size arrays carry the operands' dtypes to the backward (residuals must be arrays).
     protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
     x_saved = xq if config.fp8_wgrad else x
@@ -122,9 +112,9 @@ def _fp8_grouped_bwd(config: FP8Config, gemm: Any, res, dy: jax.Array):
     amax_dy = _masked_amax(dy, num_valid)
     (sdy,) = _operand_scales(config, scale, (amax_dy,), (DY,))
     dyq = quantize(dy, sdy, config.backward_dtype)
-    dx = _dequantize(gemm.dot(dyq, wq, plan, transpose_rhs=True, preferred_element_type=dy.dtype), sdy, sw)
+    dx = dequantize(gemm.dot(dyq, wq, plan, transpose_rhs=True, preferred_element_type=dy.dtype), sdy, sw)
     if config.fp8_wgrad:
-        dw = _dequantize(gemm.wgrad(x_saved, dyq, plan, wq.shape[0], preferred_element_type=dy.dtype), sx, sdy)
+        dw = dequantize(gemm.wgrad(x_saved, dyq, plan, wq.shape[0], preferred_element_type=dy.dtype), sx, sdy)
     else:
         dw = gemm.wgrad(x_saved.astype(dy.dtype), dy, plan, wq.shape[0], preferred_element_type=dy.dtype)
     amaxes = jnp.stack([amax_x, amax_w, amax_dy]).astype(scale.dtype)

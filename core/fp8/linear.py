@@ -58,12 +58,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *
     (module docstring). The bias is added in high precision after the GEMM, as TE does outside
     the FP8 output epilogue.
     """
-    if not config.enabled:
-        raise ValueError("fp8_linear needs an FP8Config with a format (fp8='e4m3' or 'hybrid')")
-    if scale is None:
-        if config.delayed:
-            raise ValueError("the delayed recipe quantizes with stored scales: pass scale (f32[3])")
-        scale = jnp.ones((NUM_SLOTS,), jnp.float32)
+    scale = stored_scale(config, scale, "fp8_linear")
     x2 = x.reshape(-1, x.shape[-1])
     y = _fp8_matmul_nt(config, x2, weight, scale)
     if bias is not None:
@@ -83,11 +78,27 @@ def amax(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
+def dequantize(out: jax.Array, scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
+    """A GEMM's result on FP8 operands times the operands' inverse scales (TE's scale_inv)."""
+    return out * ((1.0 / scale_a) * (1.0 / scale_b)).astype(out.dtype)
+
+
+def stored_scale(config: FP8Config, scale: jax.Array | None, caller: str) -> jax.Array:
+    """``scale`` as an FP8 GEMM takes it: required with the delayed recipe, unit scales (unused)
+    under tensorwise; ``caller`` names the function in the errors."""
+    if not config.enabled:
+        raise ValueError(f"{caller} needs an FP8Config with a format (fp8='e4m3' or 'hybrid')")
+    if scale is None:
+        if config.delayed:
+            raise ValueError("the delayed recipe quantizes with stored scales: pass scale (f32[3])")
+        scale = jnp.ones((NUM_SLOTS,), jnp.float32)
+    return scale
+
+
 def _scaled_dot(a: jax.Array, b: jax.Array, dims: Any, scale_a: jax.Array, scale_b: jax.Array,
                 out_dtype: Any) -> jax.Array:
-    """``dot(a, b)`` of FP8 operands in ``out_dtype``, times ``1/scale_a * 1/scale_b`` (TE's scale_inv)."""
-    out = lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
-    return out * ((1.0 / scale_a) * (1.0 / scale_b)).astype(out_dtype)
+    """``dot(a, b)`` of FP8 operands in ``out_dtype``, dequantized."""
+    return dequantize(lax.dot_general(a, b, dims, preferred_element_type=out_dtype), scale_a, scale_b)
 
 
 def _operand_scales(config: FP8Config, scale: jax.Array, amaxes: tuple[jax.Array, ...],

@@ -159,7 +159,6 @@ def load_checkpoint_model(load: str, state: ParallelState, step: int | None = No
                           bf16: bool = False) -> LoadedModel:
     """The model of checkpoint ``step`` (newest intact when None) in ``load``, restored for ``state``."""
     from core import checkpointing
-    from core.checkpointing.files import STATE_ITEM, _step_dir
     from core.models.gpt.gpt_model import GPTModel
     from core.models.huggingface.conversion import checkpoint_model_config
 
@@ -174,7 +173,7 @@ def load_checkpoint_model(load: str, state: ParallelState, step: int | None = No
     dtype = config.compute_dtype
     target: dict[str, Any] = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), abstract)}
-    saved = _saved_entries(os.path.join(_step_dir(os.path.abspath(load), step), STATE_ITEM))
+    saved = _saved_entries(load, step)
     if config.moe is not None and "moe_state" in saved:
         model = GPTModel(config, state)
         target["moe_state"] = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(state.mesh, spec))
@@ -189,13 +188,12 @@ def load_checkpoint_model(load: str, state: ParallelState, step: int | None = No
     return LoadedModel(config, restored["params"], restored.get("moe_state"), CHECKPOINT_KIND, step, notes)
 
 
-def _saved_entries(path: str) -> set[str]:
-    """The top-level entries of a checkpoint's state item (``params``, ``opt_state``, ``moe_state``)."""
-    import orbax.checkpoint as ocp
-    from etils import epath
+def _saved_entries(load: str, step: int) -> set[str]:
+    """The top-level entries of checkpoint ``step``'s state item (``params``, ``opt_state``, ``moe_state``, ...)."""
+    from core import checkpointing
 
     try:
-        return set(ocp.StandardCheckpointHandler().metadata(epath.Path(path)).tree)
+        return set(checkpointing.saved_tree(load, step))
     except Exception:  # noqa: BLE001 (orbax's errors for unreadable metadata vary)
         return {"params"}
 
