@@ -24,6 +24,7 @@ full stage like the interleaved row's (2x layers): compare its step time with th
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -76,24 +77,20 @@ def main() -> None:
         loss, g = forward_backward_table_driven(stage, loss_fn, jax.tree.map(lambda a: a[None], p), x, t)
         return loss, jax.tree.map(lambda a: a[0], g)
 
-    def zb_h1(p, x, t):  # ZB-H1 on the same stage and loss (Megatron's contract, params with a chunk dim of 1)
-        def forward_step_func(d, model):
-            y = model(d["x"])
-            return y, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
+    def forward_step_func(d, model):
+        y = model(d["x"])
+        return y, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
 
+    def zb_h1(p, x, t, w_recompute=False):  # ZB-H1 on the same stage and loss (params with a chunk dim of 1)
         losses, g, _ = execute_schedule_zb_h1(forward_step_func, {"x": x, "t": t}, stage,
-                                              jax.tree.map(lambda a: a[None], p))
+                                              jax.tree.map(lambda a: a[None], p), w_recompute=w_recompute)
         return jnp.mean(jnp.stack([d["loss"] for d in losses])), jax.tree.map(lambda a: a[0], g)
 
     def megatron_interleaved(p, x, t):
         return forward_backward_table_driven(stage, loss_fn, p, x, t, num_model_chunks=2)
 
-    def zb_v(p, x, t):  # ZB-V: two chunks per rank in the V placement (params with a chunk dim of 2)
-        def forward_step_func(d, model):
-            y = model(d["x"])
-            return y, lambda y: (loss_fn(y, d["t"]), {"loss": loss_fn(y, d["t"])})
-
-        losses, g, _ = execute_schedule_zb_v(forward_step_func, {"x": x, "t": t}, stage, p)
+    def zb_v(p, x, t, w_recompute=False):  # ZB-V: two chunks per rank in the V placement (chunk dim of 2)
+        losses, g, _ = execute_schedule_zb_v(forward_step_func, {"x": x, "t": t}, stage, p, w_recompute=w_recompute)
         return jnp.mean(jnp.stack([d["loss"] for d in losses])), g
 
     def build(fn):
@@ -132,8 +129,10 @@ def main() -> None:
                 ("1F1B (Megatron order, table-driven)", megatron_1f1b, build_timeline(m, pp).bubble_fraction(),
                  f"{(pp - 1) / m:.2f}")]
         if m >= pp:  # ZB-H1 needs a microbatch per stage
-            rows.append(("ZB-H1 (F, B, W slots)", zb_h1, build_zb_h1_timeline(m, pp).bubble_fraction(),
-                         f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"))
+            zb_bubble = build_zb_h1_timeline(m, pp).bubble_fraction()
+            ref = f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"
+            rows.append(("ZB-H1 (F, B, W slots)", zb_h1, zb_bubble, ref))
+            rows.append(("ZB-H1, W recomputes the forward", functools.partial(zb_h1, w_recompute=True), zb_bubble, ref))
         for name, fn, grid, theory in rows:
             f = build(fn)
             temp = f.lower(params, x, t).compile().memory_analysis().temp_size_in_bytes
@@ -146,8 +145,10 @@ def main() -> None:
         rows = [("interleaved v=2, Megatron order (2x layers)", megatron_interleaved,
                  build_timeline(m, pp, 2).bubble_fraction(), f"{(pp - 1) / (2 * m):.2f}")]
         if m >= pp:  # ZB-V needs a microbatch per stage
-            rows.append(("ZB-V v=2 (F, B, W slots; 2x layers)", zb_v, build_zb_v_timeline(m, pp).bubble_fraction(),
-                         f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"))
+            zb_bubble = build_zb_v_timeline(m, pp).bubble_fraction()
+            ref = f"1F1B in F/B/W slots {one_f_one_b_reference(m, pp)[0]:.2f}"
+            rows.append(("ZB-V v=2 (F, B, W slots; 2x layers)", zb_v, zb_bubble, ref))
+            rows.append(("ZB-V, W recomputes the forward", functools.partial(zb_v, w_recompute=True), zb_bubble, ref))
         for name, fn, grid, theory in rows:
             f = build(fn)
             temp = f.lower(ip, x, t).compile().memory_analysis().temp_size_in_bytes

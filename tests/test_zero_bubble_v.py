@@ -5,6 +5,8 @@ equals one device (losses and parameters after 5 steps, in layer order) across t
 distributed optimizer, ZeRO-3, cp, recompute, MoE with expert bias, bf16 and FP8 delayed scaling at
 pp2 and pp4 with m = pp, 2pp and odd counts; checkpoints move between ZB-V's V placement and the interleaved one."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,8 +42,9 @@ def _by_rank(per_stage: np.ndarray, stage_of) -> np.ndarray:
     return np.stack([np.stack([per_stage[stage_of(r, c)] for c in range(2)]) for r in range(pp)])
 
 
-@pytest.mark.parametrize("pp,m", [(2, 2), (2, 5), (4, 4), (4, 8), (4, 9)])
-def test_executor_equals_interleaved_executor(pp, m):
+@pytest.mark.parametrize("pp,m,w_recompute", [(2, 2, False), (2, 5, False), (4, 4, False), (4, 8, False),
+                                               (4, 9, False), (2, 5, True), (4, 8, True)])
+def test_executor_equals_interleaved_executor(pp, m, w_recompute):
     state = ps.build_parallel_state(pipeline_model_parallel_size=pp, devices=jax.devices()[:pp])
     rng = np.random.default_rng(pp * 10 + m)
     w = rng.normal(size=(2 * pp, H, H)).astype(np.float32) / 2
@@ -65,7 +68,8 @@ def test_executor_equals_interleaved_executor(pp, m):
                                      out_specs=P("pp"), check_vma=False))
 
     results = {}
-    for name, execute in (("interleaved", execute_stages), ("v", execute_stages_zb_v)):
+    zb_v = functools.partial(execute_stages_zb_v, w_recompute=w_recompute)
+    for name, execute in (("interleaved", execute_stages), ("v", zb_v)):
         place = placements[name]
         chunk = {"w": _by_rank(w, place), "b": _by_rank(b, place)}
         results[name] = jax.device_get(body(execute)(chunk, _by_rank(amax, place), shared, data))
@@ -173,8 +177,8 @@ CASES = {
                                                                                    "2")),
     # pp4, m = 2pp = 8 (dp1): tp2 with SP.
     "tp2_pp4_sp_m8": (2, 4, DEEP, ("--sequence-parallel",)),
-    # pp4, m = pp = 4 (dp2): the distributed optimizer.
-    "pp4_dp2_distopt_m4": (1, 4, DEEP, ("--use-distributed-optimizer",)),
+    # pp4, m = pp = 4 (dp2): the distributed optimizer, W recomputing the forward.
+    "pp4_dp2_distopt_w_recompute_m4": (1, 4, DEEP, ("--use-distributed-optimizer", "--zero-bubble-w-recompute")),
     # pp2, m = 2pp = 4 (cp2, dp2): context parallelism with full recompute.
     "pp2_cp2_dp2_recompute_m4": (1, 2, (), ("--context-parallel-size", "2", "--recompute-activations")),
     # pp2, m = 4 (tp2, dp2): Megatron-FSDP ZeRO-3 (each layer gathered for its F, B and W) with SP.
@@ -187,6 +191,19 @@ CASES = {
 def test_zb_v_pretraining_equals_one_device(references, case):
     tp, pp, model, layout = CASES[case]
     _assert_matches(_run(tp, pp, jax.devices(), model + layout + ZBV), references(model), rtol=1e-4)
+
+
+def test_w_recompute_keeps_interleaved_activation_memory():
+    # pp4 x 2 chunks, m 8: with W recomputing the forward the step holds stage inputs and output
+    # gradients and needs no more temp memory than interleaved 1F1B (within 1.05x); B's residuals far more.
+    def temp_kib(flags):
+        trainer = layout_trainer(1, 4, jax.devices()[:4], ITERS, (*DEEP, "--seq-length", "64",
+                                                                  "--virtual-pipeline-model-parallel-size", "2", *flags))
+        lowered = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch())
+        return lowered.compile().memory_analysis().temp_size_in_bytes / 1024
+
+    interleaved, residuals, recompute = (temp_kib(f) for f in ((), ZBV, ZBV + ("--zero-bubble-w-recompute",)))
+    assert recompute <= 1.05 * interleaved < residuals
 
 
 def test_zb_v_bf16_trains_close_to_fp32(references):

@@ -79,7 +79,7 @@ class TrainingState:
 EXECUTION_FIELDS = ("bf16", "sequence_parallel", "recompute_granularity", "unroll_layers", "attention_dropout",
                     "hidden_dropout", "context_parallel_size", "cp_comm_type", "hierarchical_context_parallel_sizes",
                     "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-                    "pipeline_schedule")
+                    "pipeline_schedule", "zero_bubble_w_recompute")
 """Model config fields a run may change on resume: numerics and execution choices."""
 
 

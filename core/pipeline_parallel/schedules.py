@@ -178,49 +178,53 @@ def _run_chunks(execute: Callable, model: tuple | list, data: Any) -> tuple:
 def forward_backward_pipelining_zero_bubble(*, forward_step_func: Callable, data_iterator: Iterator, model: tuple,
                                             num_microbatches: int, seq_length: int | None = None,
                                             micro_batch_size: int | None = None, forward_only: bool = False,
-                                            axis_name: str = "pp"):
+                                            axis_name: str = "pp", w_recompute: bool = False):
     """ZB-H1 zero-bubble pipelining over ``axis_name`` (Qi et al., ICLR 2024), with
     :func:`forward_backward_pipelining_without_interleaving`'s contract: each backward runs as B
     (the input gradient, sent upstream at once) and a later W (the weight gradient, filling the
     cool-down bubble); :mod:`core.pipeline_parallel.zero_bubble_executor`. Needs
-    ``num_microbatches >= pp``; returns the same losses, grads and token count as 1F1B."""
+    ``num_microbatches >= pp``; returns the same losses, grads and token count as 1F1B.
+    ``w_recompute``: W recomputes the stage's forward from its input instead of keeping B's
+    residuals (1F1B's activation memory for one more forward per microbatch)."""
     if (ddp := _ddp_model(model)) is not None:
         return ddp.run_forward_backward(forward_backward_pipelining_zero_bubble,
                                         forward_step_func=forward_step_func, data_iterator=data_iterator,
                                         num_microbatches=num_microbatches, forward_only=forward_only,
-                                        axis_name=axis_name)
+                                        axis_name=axis_name, w_recompute=w_recompute)
     del seq_length, micro_batch_size
     stage_fn, params = model
     losses, grads, ntok = execute_schedule_zb_h1(
         forward_step_func, _take(data_iterator, num_microbatches), stage_fn, jax.tree.map(lambda a: a[None], params),
-        forward_only=forward_only, axis_name=axis_name)
+        forward_only=forward_only, axis_name=axis_name, w_recompute=w_recompute)
     return losses, (None if grads is None else jax.tree.map(lambda a: a[0], grads)), ntok
 
 
 def forward_backward_pipelining_zero_bubble_v(*, forward_step_func: Callable, data_iterator: Iterator | list,
                                               model: tuple | list, num_microbatches: int,
                                               seq_length: int | None = None, micro_batch_size: int | None = None,
-                                              forward_only: bool = False, axis_name: str = "pp"):
+                                              forward_only: bool = False, axis_name: str = "pp",
+                                              w_recompute: bool = False):
     """ZB-V zero-bubble pipelining over ``axis_name`` (Qi et al., ICLR 2024) with
     :func:`forward_backward_pipelining_with_interleaving`'s contract for two chunks, placed in a V:
     chunk 0 of rank ``r`` is virtual stage ``r``, chunk 1 is ``2 pp - 1 - r`` (the first and last
     stages on rank 0); each backward runs as B and a later W
     (:func:`~core.pipeline_parallel.zero_bubble_executor.execute_stages_zb_v`). Needs
-    ``num_microbatches >= pp``."""
+    ``num_microbatches >= pp``; ``w_recompute`` as for
+    :func:`forward_backward_pipelining_zero_bubble`."""
     if isinstance(data_iterator, list):
         data_iterator = data_iterator[0]
     if (ddp := _ddp_model(model)) is not None:
         return ddp.run_forward_backward(forward_backward_pipelining_zero_bubble_v,
                                         forward_step_func=forward_step_func, data_iterator=data_iterator,
                                         num_microbatches=num_microbatches, forward_only=forward_only,
-                                        axis_name=axis_name)
+                                        axis_name=axis_name, w_recompute=w_recompute)
     del seq_length, micro_batch_size
 
     def execute(stage_fn, data, params, vpp):
         if vpp != 2:
             raise ValueError(f"ZB-V runs two model chunks per pipeline rank, got {vpp}")
         return execute_schedule_zb_v(forward_step_func, data, stage_fn, params, forward_only=forward_only,
-                                     axis_name=axis_name)
+                                     axis_name=axis_name, w_recompute=w_recompute)
 
     return _run_chunks(execute, model, _take(data_iterator, num_microbatches))
 

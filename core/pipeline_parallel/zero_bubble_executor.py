@@ -35,6 +35,11 @@ input or a residual set) a rank holds at once. ZB-H1: ``pp`` on rank 0, 1F1B's c
 ``inputs + residuals <= 2 pp`` entries allocated. Residuals hold what the chunk's backward saves
 (all activations of its layers, or what ``--recompute-activations``' policy keeps), which is
 more than the 1F1B executor's stashed input per microbatch.
+
+With ``w_recompute`` (:attr:`ZBPlan.w_recompute`, ``--zero-bubble-w-recompute``) nothing is
+kept from B: W rebuilds the VJP by running the chunk's forward again from the stage input, which
+then stays in its ring until W. A rank holds stage inputs and output cotangents only, about the
+1F1B executor's memory, for one more chunk forward per microbatch (F + (F + B) + (F + W)).
 """
 
 from __future__ import annotations
@@ -111,30 +116,32 @@ def _num_microbatches(timeline: ZeroBubbleTimeline) -> int:
     return int(max(timeline.forward.max(), 0)) // timeline.num_model_chunks + 1
 
 
-def _spans(timeline: ZeroBubbleTimeline, stages: np.ndarray) -> tuple[list, list, list]:
+def _spans(timeline: ZeroBubbleTimeline, stages: np.ndarray, w_recompute: bool = False) -> tuple[list, list, list]:
     """Per virtual stage, microbatch -> (write slot, last read slot) of its input (stages > 0),
-    residuals and output grad (stages < last)."""
+    residuals and output grad (stages < last). ``w_recompute``: W reads the input, no residuals."""
     done, m, last = _step_slots(timeline, stages), _num_microbatches(timeline), stages.size - 1
     # Forward only: an input is last read by its F.
-    read = lambda s, i: done.get(("B", s, i), done["F", s, i])
+    read = lambda s, i: done.get(("W" if w_recompute else "B", s, i), done["F", s, i])
     inputs = [{i: (done["F", s - 1, i], read(s, i)) for i in range(m)} for s in range(1, last + 1)]
     if not timeline.weight.max() >= 0:
         return inputs, [], []
-    residuals = [{i: (done["B", s, i], done["W", s, i]) for i in range(m)} for s in range(last + 1)]
+    residuals = [] if w_recompute else [{i: (done["B", s, i], done["W", s, i]) for i in range(m)}
+                                         for s in range(last + 1)]
     grads = [{i: (done["B", s + 1, i], done["W", s, i]) for i in range(m)} for s in range(last)]
     return inputs, residuals, grads
 
 
-def zb_buffer_sizes(timeline: ZeroBubbleTimeline, stages: np.ndarray) -> ZBBufferSizes:
-    """The executor's ring sizes for ``timeline`` with ``stages[rank, chunk]`` its placement."""
+def zb_buffer_sizes(timeline: ZeroBubbleTimeline, stages: np.ndarray, w_recompute: bool = False) -> ZBBufferSizes:
+    """The executor's ring sizes for ``timeline`` with ``stages[rank, chunk]`` its placement
+    (``w_recompute``: inputs kept to W, no residual ring)."""
     m = _num_microbatches(timeline)
-    inputs, residuals, grads = _spans(timeline, stages)
-    return ZBBufferSizes(_ring_size(inputs, m), _ring_size(residuals, m), _ring_size(grads, m))
+    inputs, residuals, grads = _spans(timeline, stages, w_recompute)
+    return ZBBufferSizes(_ring_size(inputs, m), 0 if w_recompute else _ring_size(residuals, m), _ring_size(grads, m))
 
 
-def zb_h1_buffer_sizes(timeline: ZeroBubbleTimeline) -> ZBBufferSizes:
+def zb_h1_buffer_sizes(timeline: ZeroBubbleTimeline, w_recompute: bool = False) -> ZBBufferSizes:
     """The ZB-H1 executor's ring sizes for ``timeline`` (see module docstring)."""
-    return zb_buffer_sizes(timeline, h1_stages(timeline.forward.shape[1]))
+    return zb_buffer_sizes(timeline, h1_stages(timeline.forward.shape[1]), w_recompute)
 
 
 def live_activation_bound(timeline: ZeroBubbleTimeline, stages: np.ndarray | None = None) -> np.ndarray:
@@ -171,11 +178,15 @@ class ZBPlan:
     """[3, slots, pp] what a rank receives at the end of a slot from rank - 1, rank + 1 and
     itself (:data:`FROM_PREV`, ...): ``(microbatch * vpp + chunk) * 2 + is_grad`` (the chunk and
     buffer it lands in), or -1."""
+    w_recompute: bool = False
+    """W recomputes the chunk's forward from the stage input (kept until W) instead of reading
+    B's residuals: no residual ring, one more forward per microbatch and chunk."""
 
 
-def build_plan(timeline: ZeroBubbleTimeline, stages: np.ndarray) -> ZBPlan:
+def build_plan(timeline: ZeroBubbleTimeline, stages: np.ndarray, w_recompute: bool = False) -> ZBPlan:
     """The :class:`ZBPlan` of ``timeline`` with ``stages[rank, chunk]`` its placement; adjacent
-    virtual stages must sit on the same or neighbouring ranks."""
+    virtual stages must sit on the same or neighbouring ranks. ``w_recompute``: see
+    :attr:`ZBPlan.w_recompute`."""
     pp, vpp = stages.shape
     slots, last = timeline.num_slots, stages.size - 1
     where = {int(stages[r, c]): (r, c) for r in range(pp) for c in range(vpp)}
@@ -195,7 +206,8 @@ def build_plan(timeline: ZeroBubbleTimeline, stages: np.ndarray) -> ZBPlan:
             src = {r2 - 1: FROM_PREV, r2 + 1: FROM_NEXT, r2: FROM_SELF}[r]
             assert arrivals[src, t, r2] < 0, "two tensors arrive over one route in one slot"
             arrivals[src, t, r2] = (mb * vpp + c2) * 2 + is_grad
-    return ZBPlan(timeline, stages, zb_buffer_sizes(timeline, stages), to_next, to_prev, arrivals)
+    return ZBPlan(timeline, stages, zb_buffer_sizes(timeline, stages, w_recompute), to_next, to_prev, arrivals,
+                  w_recompute)
 
 
 class _Residuals:
@@ -287,23 +299,31 @@ def execute_zero_bubble(
         is_last = vs == last
         return jnp.where(is_last, jnp.zeros_like(out_grad), out_grad), jnp.where(is_last, 1.0, 0.0).astype(jnp.float32)
 
-    def backward_input(args):
-        acts, grads, code = args
+    def chunk_vjp(acts, code):
+        # The chunk's forward from its stashed input, differentiable in (chunk params, shared, input).
         mb, c, vs = unpack(code)
 
         def f(p, sp, r):
             out, (loss, nt, rd, _) = run(p, sp, take(data, mb), r, vs)
             return (out, loss.astype(jnp.float32)), (nt, rd)
 
-        p, sp = params(c)
-        (_, loss), vjp_fn, (nt, rd) = jax.vjp(f, p, sp, acts[c, mb % sizes.inputs], has_aux=True)
+        p_sp = params(c)
+        return p_sp, jax.vjp(f, *p_sp, acts[c, mb % sizes.inputs], has_aux=True)
+
+    def backward_input(args):
+        acts, grads, code = args
+        mb, c, vs = unpack(code)
+        p_sp, ((_, loss), vjp_fn, (nt, rd)) = chunk_vjp(acts, code)
         gx = vjp_fn(cotangents(grads[c, mb % sizes.output_grads], vs))[2]
-        return (loss, nt, rd), gx, residuals.split(vjp_fn, (p, sp))
+        return (loss, nt, rd), gx, ([] if plan.w_recompute else residuals.split(vjp_fn, p_sp))
 
     def backward_weight(args):
-        res, grads, code = args
+        acts, res, grads, code = args
         mb, c, vs = unpack(code)
-        vjp_fn = residuals.join([r[c, mb % sizes.residuals] for r in res], params(c))
+        if plan.w_recompute:
+            vjp_fn = chunk_vjp(acts, code)[1][1]
+        else:
+            vjp_fn = residuals.join([r[c, mb % sizes.residuals] for r in res], params(c))
         gp, gs, _ = vjp_fn(cotangents(grads[c, mb % sizes.output_grads], vs))
         return gp, gs
 
@@ -356,7 +376,8 @@ def execute_zero_bubble(
             b_mb, b_c, _ = unpack(b_code)
             res = [_put(r, (b_c, b_mb % sizes.residuals), v, b_code >= 0) for r, v in zip(res, kept, strict=True)]
             rds, ntok = record(rds, ntok, b_code, b_res)
-            gp, gs = lax.cond(w_code >= 0, backward_weight, lambda _: (zero_grads, zero_shared), (res, grads, w_code))
+            gp, gs = lax.cond(w_code >= 0, backward_weight, lambda _: (zero_grads, zero_shared),
+                              (acts, res, grads, w_code))
             param_grads = accumulate_chunk_grads(param_grads, gp, unpack(w_code)[1], chunk_grad_combine)
             shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
             out = jnp.where(f_code >= 0, y, gx)  # a rank runs one step per slot: at most one is sent
@@ -388,11 +409,13 @@ def execute_stages_zb_h1(
     axis_name: str = "pp",
     stage_metrics: bool = False,
     chunk_grad_combine: Any = None,
+    w_recompute: bool = False,
 ) -> tuple:
     """ZB-H1 with :func:`~core.pipeline_parallel.table_driven.execute_stages`' contract (module docstring).
 
     ``num_model_chunks`` must be 1 and the microbatch count at least the pipeline size. Forward
     only has no backward to split: it runs the 1F1B executor's forward-only table.
+    ``w_recompute``: W recomputes the forward from the stage input (:attr:`ZBPlan.w_recompute`).
     """
     if num_model_chunks != 1:
         raise ValueError(f"ZB-H1 runs one model chunk per pipeline rank, got num_model_chunks {num_model_chunks}")
@@ -401,7 +424,7 @@ def execute_stages_zb_h1(
                               stage_metrics=stage_metrics, chunk_grad_combine=chunk_grad_combine)
     del microbatch_group_size_per_vp_stage  # one chunk: nothing to group
     pp, m = lax.axis_size(axis_name), jax.tree.leaves(data)[0].shape[0]
-    plan = build_plan(build_zb_h1_timeline(m, pp), h1_stages(pp))
+    plan = build_plan(build_zb_h1_timeline(m, pp), h1_stages(pp), w_recompute)
     return execute_zero_bubble(plan, stage_step, data, chunk_params, shared_params, axis_name=axis_name,
                                stage_metrics=stage_metrics, chunk_grad_combine=chunk_grad_combine)
 
@@ -427,17 +450,20 @@ def execute_stages_zb_v(
     axis_name: str = "pp",
     stage_metrics: bool = False,
     chunk_grad_combine: Any = None,
+    w_recompute: bool = False,
 ) -> tuple:
     """ZB-V with :func:`~core.pipeline_parallel.table_driven.execute_stages`' contract (module
     docstring), except the placement: chunk 0 of rank ``r`` is virtual stage ``r``, chunk 1 is
     ``2 pp - 1 - r`` (:func:`v_stages`). ``num_model_chunks`` must be 2 and the microbatch count
-    at least the pipeline size; forward only runs ZB-V's F steps alone."""
+    at least the pipeline size; forward only runs ZB-V's F steps alone. ``w_recompute``: W
+    recomputes the forward from the stage input (:attr:`ZBPlan.w_recompute`)."""
     if num_model_chunks != 2:
         raise ValueError(f"ZB-V runs two model chunks per pipeline rank, got num_model_chunks {num_model_chunks}")
     del microbatch_group_size_per_vp_stage  # the V order fixes the chunks' interleaving
     pp, m = lax.axis_size(axis_name), jax.tree.leaves(data)[0].shape[0]
     timeline = zb_v_forward_timeline(m, pp) if forward_only else build_zb_v_timeline(m, pp)
-    return execute_zero_bubble(build_plan(timeline, v_stages(pp)), stage_step, data, chunk_params, shared_params,
+    plan = build_plan(timeline, v_stages(pp), w_recompute)
+    return execute_zero_bubble(plan, stage_step, data, chunk_params, shared_params,
                                forward_only=forward_only, axis_name=axis_name, stage_metrics=stage_metrics,
                                chunk_grad_combine=chunk_grad_combine)
 
@@ -460,11 +486,13 @@ def execute_schedule_zb_h1(
     *,
     forward_only: bool = False,
     axis_name: str = "pp",
+    w_recompute: bool = False,
 ) -> tuple[list[dict], Any, jax.Array | None]:
     """ZB-H1 on Megatron's contract (as :func:`~core.pipeline_parallel.table_driven.execute_schedule`,
     ``params`` with a leading ``[1]`` chunk dim); returns ``(losses_reduced, grads, num_tokens)``."""
     losses, grads, _, ntok = execute_stages_zb_h1(_megatron_stage_step(forward_step_func, stage_fn), data, params,
-                                                  None, forward_only=forward_only, axis_name=axis_name)
+                                                  None, forward_only=forward_only, axis_name=axis_name,
+                                                  w_recompute=w_recompute)
     return losses, grads, ntok
 
 
@@ -476,9 +504,11 @@ def execute_schedule_zb_v(
     *,
     forward_only: bool = False,
     axis_name: str = "pp",
+    w_recompute: bool = False,
 ) -> tuple[list[dict], Any, jax.Array | None]:
     """ZB-V on Megatron's contract, ``params`` with a leading ``[2]`` chunk dim in the V placement
     (chunk 1 of rank ``r`` is virtual stage ``2 pp - 1 - r``); returns ``(losses_reduced, grads, num_tokens)``."""
     losses, grads, _, ntok = execute_stages_zb_v(_megatron_stage_step(forward_step_func, stage_fn), data, params,
-                                                 None, forward_only=forward_only, axis_name=axis_name)
+                                                 None, forward_only=forward_only, axis_name=axis_name,
+                                                 w_recompute=w_recompute)
     return losses, grads, ntok

@@ -188,6 +188,8 @@ def _validate_pipeline_schedule(args: argparse.Namespace, dp: int) -> None:
     """``--pipeline-schedule`` against the virtual stages and the microbatches per step."""
     schedule, pp = args.pipeline_schedule, args.pipeline_model_parallel_size
     vpp = args.virtual_pipeline_model_parallel_size or 1
+    if args.zero_bubble_w_recompute and schedule not in ("zb-h1", "zb-v"):
+        raise ArgumentError(f"--zero-bubble-w-recompute needs --pipeline-schedule zb-h1 or zb-v, got {schedule}")
     if schedule is None:
         return
     if schedule == "interleaved" and vpp == 1:

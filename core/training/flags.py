@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk per stage, at least pp microbatches: each backward split into the input gradient "
                         "and a weight gradient that fills the bubble) or ZB-V (zero-bubble with two chunks per "
                         "stage in a V: --virtual-pipeline-model-parallel-size 2, at least pp microbatches)")
+    g.add_argument("--zero-bubble-w-recompute", action="store_true",
+                   help="with --pipeline-schedule zb-h1 or zb-v: the weight-gradient step recomputes the stage's "
+                        "forward from its input instead of keeping the input-gradient step's activations until "
+                        "then (about 1F1B's activation memory, one more forward per microbatch and stage)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="context-parallel size: every sample's sequence split over this many ranks "
                         "(load-balanced chunks; dp = world / (tp x pp x cp))")

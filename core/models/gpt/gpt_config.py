@@ -33,6 +33,10 @@ class GPTConfig(TransformerConfig):
     :mod:`core.pipeline_parallel.zero_bubble_executor`, or None / ``"1f1b"`` / ``"interleaved"``
     for Megatron's 1F1B (interleaved with virtual stages). An execution choice: the results do
     not depend on it, and checkpoints store the layers in layer order whatever the placement."""
+    zero_bubble_w_recompute: bool = False
+    """Under a zero-bubble schedule, W (the weight gradient) recomputes the chunk's forward from
+    its stashed input instead of keeping B's VJP residuals until W: about 1F1B's activation
+    memory, at one more chunk forward per microbatch. An execution choice."""
 
     @property
     def vocab_rows(self) -> int:

@@ -563,8 +563,9 @@ class GPTModel:
         moe = self.moe_layer is not None
         mbs = split_microbatches(batch, m)
         shared = {k: v for k, v in params.items() if k != "layers"}
-        execute = {"zb-h1": execute_stages_zb_h1, "zb-v": execute_stages_zb_v}.get(self.config.pipeline_schedule,
-                                                                                 execute_stages)
+        zero_bubble = {"zb-h1": execute_stages_zb_h1, "zb-v": execute_stages_zb_v}.get(self.config.pipeline_schedule)
+        execute = execute_stages if zero_bubble is None else functools.partial(
+            zero_bubble, w_recompute=self.config.zero_bubble_w_recompute)
         losses, g_chunks, g_shared, _, *stage = execute(
             self._stage_step(mbs["tokens"].shape[1], 1.0 / m), mbs, (params["layers"], model_state), shared,
             num_model_chunks=self.vpp, forward_only=forward_only, axis_name=PP_AXIS, stage_metrics=moe,
