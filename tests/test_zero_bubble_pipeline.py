@@ -60,6 +60,10 @@ def test_live_buffers_within_table_bound(pp, m):
     timeline = build_zb_h1_timeline(m, pp)
     np.testing.assert_array_equal(live_activation_bound(timeline), timeline.peak_live_activations())
     assert max(live_activation_bound(timeline)) <= pp  # 1F1B's count
+    # The least idle time any schedule can have with equal F, B, W: pp - 1 units per rank; in
+    # Megatron's bubble time fraction a third of 1F1B's (p-1)/m.
+    assert np.all(timeline.idle_slots() == pp - 1)
+    assert timeline.bubble_time_fraction() == pytest.approx((pp - 1) / m / 3)
     sizes = zb_h1_buffer_sizes(timeline)
     assert max(sizes.inputs, sizes.residuals, sizes.output_grads) <= pp
 

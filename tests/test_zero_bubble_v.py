@@ -102,6 +102,10 @@ def test_live_buffers_and_bubble(pp, m):
     assert sizes.residuals <= pp and sizes.output_grads <= pp and sizes.inputs <= 2 * pp
     if m >= 2 * pp - 1:
         assert timeline.bubble_fraction() == pytest.approx((pp - 1) / (6 * m + pp - 1))
+        # The least idle time any schedule can have with equal F, B, W: pp - 1 chunk units per rank;
+        # in Megatron's bubble time fraction a sixth of 1F1B's (p-1)/m.
+        assert np.all(timeline.idle_slots() == pp - 1)
+        assert timeline.bubble_time_fraction() == pytest.approx((pp - 1) / m / 6)
 
 
 def test_plan_routes_the_v():

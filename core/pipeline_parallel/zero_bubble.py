@@ -85,6 +85,14 @@ class ZeroBubbleTimeline:
         """Idle share of the rank-slots (each F, B and W takes one slot)."""
         return float(self.idle_slots().sum()) / self.forward.size
 
+    def bubble_time_fraction(self) -> float:
+        """Megatron's bubble time fraction ``t_pb / t_id``: idle over busy rank-slots (1F1B's
+        ``(p-1)/m`` in any unit). With equal F, B and W times no schedule idles less than
+        ``pp - 1`` units per rank (the last stage's rank waits that long for its first input and
+        every rank has the same work); ZB-H1 (m >= pp) and ZB-V (m >= 2pp - 1) idle exactly that."""
+        idle = float(self.idle_slots().sum())
+        return idle / (self.forward.size - idle)
+
     def peak_live_activations(self) -> np.ndarray:
         """[pp] most (microbatch, chunk) activations a rank holds at once, each live from its F to its W."""
         return np.array([peak_live(order) for order in self.orders], np.int64)
