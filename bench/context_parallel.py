@@ -52,11 +52,22 @@ the tables and writes ``bench/results/context_parallel_cpu.md`` (``--out``).
    only): per-device temporaries of the block products as they run on GPUs (XLA einsums;
    bfloat16 q/k/v, float32 scores), untiled and with ``_blocks.QUERY_TILE`` at each tile.
 
-**Between processes** (``mpirun -n N python bench/context_parallel.py``): part 4 only, at cp = N,
-one device per process, the hops real transfers between processes (gloo on the CPU, NCCL on
-GPUs), each process on its share of the cores; rank 0's times. Simulated devices cannot show
-hiding (a hop there is a copy on the same threads as the compute); this can. Writes
-``bench/results/context_parallel_processes_<platform>.md``.
+**Between processes** (``mpirun -n N python bench/context_parallel.py``): two tables at cp = N,
+one device per process, the collectives real transfers between processes (gloo on the CPU,
+NCCL on GPUs), each process on its share of the cores; rank 0's times, ``--hide-reps``
+round-robin rounds each. Simulated devices cannot show hiding (a hop there is a copy on the
+same threads as the compute) nor what an all-to-all costs between processes; this can.
+
+* Part 4 (ring communication hiding) at cp = N.
+* **Step time by comm type**: the ``p2p``, ``a2a`` and (N >= 4) ``a2a+p2p`` steps of part 1 at
+  ``--seq``, with their per-device totals, and a local reference timed round-robin with them:
+  ``causal_attention``'s forward and backward on each process's own device, no communication,
+  on ``[batch, heads / N, seq, head_dim]`` (the full sequence with 1/N of the heads: the
+  attention one Ulysses rank runs between its all-to-alls). Ratios: step / ``p2p`` (target for
+  ``a2a``: <= 1) and step / reference (``a2a``'s is its attention compute plus its all-to-alls
+  over that attention alone; within 1.1x, its attention compute is too).
+
+Writes ``bench/results/context_parallel_processes_<platform>.md``.
 """
 
 from __future__ import annotations
@@ -103,6 +114,9 @@ TARGET_MEMORY_RATIO = 0.3
 """Target: attention memory per device at cp=4 over cp=1."""
 TARGET_IMBALANCE = 0.05
 """Target: load-balanced per-rank step-time imbalance, max / min - 1."""
+TARGET_A2A_COMPUTE = 1.1
+"""Target between processes: the ``a2a`` step over one device's attention on the full sequence
+with 1/cp of the heads (attention compute + all-to-alls: within it, the compute is too)."""
 
 
 # -- the programs ------------------------------------------------------------------------------
@@ -376,6 +390,40 @@ def hiding_rows(programs: Programs, seq: int, cps: Sequence[int], reps: int) -> 
     return rows
 
 
+def local_reference(shape: tuple[int, ...]) -> Any:
+    """:func:`reference_step` compiled for this process's own device (no communication)."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    x = jax.ShapeDtypeStruct(shape, "float32", sharding=SingleDeviceSharding(jax.local_devices()[0]))
+    return reference_step().lower(*(x,) * 4).compile()
+
+
+def comm_rows(programs: Programs, seq: int, cp: int, reps: int) -> list[dict[str, Any]]:
+    """Between processes: the ``p2p``, ``a2a`` and (cp >= 4) ``a2a+p2p`` steps at cp and the local
+    reference (the full sequence with heads / cp heads on each process's device), timed round-robin."""
+    import jax
+
+    from core.transformer.dot_product_attention import attention_implementation
+
+    shape = programs.shape(seq)
+    ref_shape = (programs.batch, programs.heads // cp, seq, programs.head_dim)
+    comms = ["p2p", "a2a"] + (["a2a+p2p"] if cp >= 4 else [])
+    steps = [programs.step(comm, cp, seq) for comm in comms]
+    ref = local_reference(ref_shape)
+    impl = attention_implementation(*(jax.ShapeDtypeStruct(ref_shape, "float32"),) * 3)
+    fns = [partial(c, *inputs_for(c, shape)) for c in steps] + [partial(ref, *inputs_for(ref, ref_shape))]
+    times = [t for (t,) in round_robin_medians(fns, reps=reps)]
+    rows = [{"comm": comm, "label": comm_label(comm, cp), "cp": cp, "total": memory(c)["total"], "step_s": t}
+            for comm, c, t in zip(comms, steps, times)]
+    rows.append({"comm": "reference", "cp": 1, "total": None, "step_s": times[-1],
+                 "label": f"reference: `causal_attention` ({impl}), {ref_shape[1]} head{'s' * (ref_shape[1] > 1)}, "
+                          "one device"})
+    for row in rows:
+        row["vs_p2p"], row["vs_reference"] = row["step_s"] / times[0], row["step_s"] / times[-1]
+    return rows
+
+
 def tiling_rows(programs: Programs, seqs: Sequence[int], cps: Sequence[int], tiles: Sequence[int]
                 ) -> list[dict[str, Any]]:
     """Part 5: per-device temporaries of the einsum block products (GPU's path: bfloat16 q/k/v,
@@ -472,6 +520,26 @@ def hiding_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def comm_table(rows: list[dict[str, Any]]) -> str:
+    """The step-time-by-comm-type table between processes (rows of :func:`comm_rows`)."""
+    lines = ["| attention | cp | per-device total MiB | step ms | step / p2p | step / reference |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['label']} | {r['cp']} | {'' if r['total'] is None else _mib(r['total'])} | "
+              f"{r['step_s'] * 1e3:.1f} | {r['vs_p2p']:.3f} | {r['vs_reference']:.3f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def comm_verdict(rows: list[dict[str, Any]], within: float = TARGET_A2A_COMPUTE) -> str:
+    """The comm table's note: ``a2a`` against ``p2p`` (target <= 1) and against the reference (<= ``within``)."""
+    a2a = next(r for r in rows if r["comm"] == "a2a")
+    compute = ("so its attention compute is too" if a2a["vs_reference"] <= within else
+               "NOT within (this does not separate the attention compute from the all-to-alls)")
+    return (f"`a2a` step / `p2p` step **{a2a['vs_p2p']:.3f}** (target <= 1: "
+            f"{'met' if a2a['vs_p2p'] <= 1 else 'NOT met'}). `a2a` step (attention compute + all-to-alls) / one "
+            f"device's attention over the full sequence with 1/{a2a['cp']} of the heads **{a2a['vs_reference']:.3f}**: "
+            f"{'within' if a2a['vs_reference'] <= within else 'over'} {within}x, {compute}.")
+
+
 # -- the command -------------------------------------------------------------------------------
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -493,7 +561,8 @@ def _args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="round-robin rounds of part 1 (median, after one warm-up)")
     p.add_argument("--balance-reps", type=int, default=41,
                    help="round-robin rounds of part 3, load-balanced (median; contiguous: a quarter)")
-    p.add_argument("--hide-reps", type=int, default=7, help="round-robin rounds of part 4 (median)")
+    p.add_argument("--hide-reps", type=int, default=7,
+                   help="round-robin rounds of part 4 (median; under mpirun also of the step time by comm type)")
     p.add_argument("--tile-seqs", default="8192,16384", help="part 5's sequence lengths (compiled only)")
     p.add_argument("--tile-cps", default="2,4", help="part 5's context-parallel sizes")
     p.add_argument("--tiles", default="0,1024,512", help="part 5's query tiles (0: untiled)")
@@ -597,25 +666,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "balance": balance, "hiding": hiding, "tiling": tiling}
 
 
-def processes_main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """Under ``mpirun -n N``: part 4 between N processes (cp = N); rank 0 prints the table and
-    writes the report. Returns the rows (every rank). Call after ``jax.distributed`` has started."""
+def processes_main(argv: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Under ``mpirun -n N``: part 4 and the step time by comm type between N processes (cp = N);
+    rank 0 prints the tables and writes the report. Returns ``{"hiding": rows, "comm": rows}``
+    (every rank). Call after ``jax.distributed`` has started."""
     a = _args(argv)
     import jax
 
     cp = jax.process_count()
-    if jax.device_count() != cp or a.seq % (2 * cp):
-        raise SystemExit(f"needs one device per process and --seq divisible by 2 x {cp}: got "
-                         f"{jax.device_count()} devices in {cp} processes, --seq {a.seq}")
+    if jax.device_count() != cp or a.seq % (2 * cp) or a.heads % cp:
+        raise SystemExit(f"needs one device per process, --seq divisible by 2 x {cp} and --heads by {cp}: got "
+                         f"{jax.device_count()} devices in {cp} processes, --seq {a.seq}, --heads {a.heads}")
     run = BenchRun()
     programs = Programs(a.batch, a.heads, a.head_dim)
-    rows = hiding_rows(programs, a.seq, [cp], a.hide_reps)
+    rows = {"hiding": hiding_rows(programs, a.seq, [cp], a.hide_reps),
+            "comm": comm_rows(programs, a.seq, cp, a.hide_reps)}
     if jax.process_index() == 0:
         platform = jax.devices()[0].platform
         workload = (f"causal self-attention forward + backward, batch {a.batch} x {a.heads} heads x head dim "
                     f"{a.head_dim}, seq {a.seq}, float32, {cp} processes, one {platform} device each")
+        tables = (f"{hiding_table(rows['hiding'])}\n\n## Step time by comm type between processes (rank 0, median "
+                  f"of {a.hide_reps} round-robin rounds; the reference on each process's own device, no "
+                  f"communication)\n\n{comm_table(rows['comm'])}\n\n{comm_verdict(rows['comm'])}")
         write_processes_report(run, a, "context_parallel.py", workload, "ring communication hidden between processes",
-                               a.hide_reps, hiding_table(rows), DEFAULT_OUT, "context_parallel_processes")
+                               a.hide_reps, tables, DEFAULT_OUT, "context_parallel_processes")
     return rows
 
 

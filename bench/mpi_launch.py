@@ -53,12 +53,25 @@ def start_worker_process() -> None:
     release_cpu_affinity()
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (its folder created) through a temporary file in the same folder
+    and ``os.replace``: a reader sees the old file or the new one, and a failure leaves the old one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_processes_report(run, a, script: str, workload: str, title: str, reps: int, table: str,
                            one_process_out: str, stem: str) -> Path:
     """Rank 0 of a benchmark's ``mpirun`` mode: print ``workload`` and ``table`` and write them under
     ``run``'s header (a :class:`timing.BenchRun`) to ``a.out``, or to
     ``bench/results/<stem>_<platform>.md`` when ``a.out`` is the one-process report's default
-    ``one_process_out``; ``title`` (lower case) names the table. Returns the report's path."""
+    ``one_process_out``; ``title`` (lower case) names the table (``table`` may hold more tables
+    under their own ``##`` headings). Written atomically. Returns the report's path."""
     import jax
 
     platform, processes = jax.devices()[0].platform, jax.process_count()
@@ -68,7 +81,7 @@ def write_processes_report(run, a, script: str, workload: str, title: str, reps:
     out = Path(a.out if str(a.out) != str(one_process_out) else root / "bench" / "results" / f"{stem}_{platform}.md")
     header = run.header(f"mpirun -n {processes} python bench/{script}{' --quick' if a.quick else ''}", a.machine,
                         a.note)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"{header}\n\nWorkload: {workload}.\n\n## {title[0].upper()}{title[1:]} ({rounds})\n\n{table}\n")
+    heading = f"{title[0].upper()}{title[1:]} ({rounds})"
+    write_atomically(out, f"{header}\n\nWorkload: {workload}.\n\n## {heading}\n\n{table}\n")
     print(f"\n{run.elapsed():.0f} s; wrote {out}")
     return out

@@ -95,3 +95,33 @@ def test_hiding_between_processes_under_mpirun(tmp_path):
     _, ring, no_hops, _, _, hops, hidden = row.split("|")[1:-1]  # one round: no interquartile range
     assert all(_positive(float(t)) for t in (ring, no_hops, hops)) and hidden.strip().endswith("%")
     assert result.stdout.count("ring communication hidden") == 1  # rank 0 only
+    # The step time by comm type: p2p, a2a and the local reference (2 heads over the full sequence).
+    text = out.read_text()
+    assert "## Step time by comm type between processes" in text and result.stdout.count("Step time by comm") == 1
+    steps = {line.split("|")[1].strip(): line for line in text.splitlines()
+             if line.startswith(("| p2p | 2 |", "| a2a | 2 |", "| reference: `causal_attention`"))}
+    assert len(steps) == 3 and "2 heads, one device" in next(k for k in steps if k.startswith("reference"))
+    assert all(_positive(float(line.split("|")[4])) for line in steps.values())  # step ms
+    assert "`a2a` step / `p2p` step **" in text
+
+
+def test_comm_verdict_and_atomic_report(tmp_path, monkeypatch):
+    rows = [{"comm": "p2p", "cp": 2, "vs_p2p": 1.0, "vs_reference": 1.2},
+            {"comm": "a2a", "cp": 2, "vs_p2p": 0.9, "vs_reference": 1.05}]
+    assert "(target <= 1: met)" in bench_cp.comm_verdict(rows) and "so its attention compute is too" in \
+        bench_cp.comm_verdict(rows)
+    rows[1].update(vs_p2p=1.2, vs_reference=1.5)
+    assert "NOT met" in bench_cp.comm_verdict(rows) and "over 1.1x" in bench_cp.comm_verdict(rows)
+
+    import mpi_launch  # on the path once the benchmark is loaded
+
+    out = tmp_path / "report.md"
+    mpi_launch.write_atomically(out, "old\n")
+    assert out.read_text() == "old\n"
+
+    def fail(*_):
+        raise OSError("disk full")
+    monkeypatch.setattr(mpi_launch.os, "replace", fail)
+    with pytest.raises(OSError):
+        mpi_launch.write_atomically(out, "new\n")
+    assert out.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["report.md"]
