@@ -23,6 +23,9 @@ with two chunks per rank in a V (chunk 1 of rank ``r`` is virtual stage ``2 pp -
 full stage like the interleaved row's (2x layers): compare its step time with that row. The
 "W recomputes" rows run the same schedules with ``w_recompute`` (``--zero-bubble-w-recompute``):
 W runs the stage's forward again from its stashed input instead of keeping B's residuals.
+A second table (not with ``--no-gpt``) gives the compiled temp memory of a small GPT's training
+step at pp (8 layers: ``GPT``) for each schedule: the memory a model's layers take, where a
+toy stage of one layer has almost none besides its input.
 
 **Between processes** (``mpirun -n N``, pp = N, one device per process, the sends real transfers
 between processes; gloo on the CPU, NCCL on GPUs): 1F1B, ZB-H1 and ZB-H1 with W recomputing,
@@ -59,6 +62,7 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256, help="width of a stage's square layer")
     p.add_argument("--ms", default="4,8,16", help="microbatch counts")
     p.add_argument("--steps", type=int, default=5, help="timed steps (round-robin rounds under mpirun)")
+    p.add_argument("--no-gpt", action="store_true", help="skip the GPT training step's memory table")
     p.add_argument("--quick", action="store_true", help="under mpirun: tiny sizes, one round (a smoke run)")
     p.add_argument("--out", default=DEFAULT_OUT, help="the report under mpirun")
     p.add_argument("--machine", default="2-core AVX2 VM (AMD EPYC)", help="the host, for the report")
@@ -232,6 +236,52 @@ def one_process(a: argparse.Namespace) -> None:
             bubble, time_fraction = slot_bubble(name, m, pp)
             print(f"| {name} | {m} | {step * 1e3:.1f} | {chunks * ideal * 1e3:.1f} | "
                   f"{1 - chunks * ideal / step:.2f} | {bubble:.2f} | {time_fraction:.3f} | {temp / 1024:.0f} |")
+    if not a.no_gpt:
+        print(f"\nGPT training step at pp {pp} (8 layers, hidden 128, seq 128, m 8; compiled temp memory per device)\n")
+        print(gpt_memory_table(pp))
+
+
+GPT = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+       "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "5", "--lr-warmup-iters", "1",
+       "--no-progress-bar"]
+"""The GPT of the memory table: 8 layers (pp 4 x 2 chunks), m 8 microbatches of 2 x 128 tokens."""
+
+GPT_SCHEDULES = {
+    "1F1B": [], "ZB-H1": ["--pipeline-schedule", "zb-h1"],
+    "ZB-H1, W recomputes": ["--pipeline-schedule", "zb-h1", "--zero-bubble-w-recompute"],
+    "interleaved v=2": ["--virtual-pipeline-model-parallel-size", "2"],
+    "ZB-V": ["--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"],
+    "ZB-V, W recomputes": ["--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v",
+                           "--zero-bubble-w-recompute"]}
+"""Schedules of the GPT memory table and their flags."""
+
+
+def gpt_temp_kib(pp: int, flags: list[str]) -> float:
+    """Compiled temp memory (KiB per device) of the :data:`GPT` training step at pp with ``flags``."""
+    import jax
+
+    from core import parallel_state as ps
+    from core.training.arguments import parse_args, validate_args
+    from core.training.pretrainer import Pretrainer
+    from core.training.run_config import pretrain_config
+
+    args = parse_args([*GPT, "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", str(pp), *flags])
+    layout = validate_args(args, pp)
+    state = ps.build_parallel_state(1, pp, layout.virtual_pipeline_model_parallel_size, devices=jax.devices()[:pp])
+    trainer = Pretrainer(pretrain_config(args), layout, state)
+    lowered = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch())
+    return lowered.compile().memory_analysis().temp_size_in_bytes / 1024
+
+
+def gpt_memory_table(pp: int) -> str:
+    """Markdown: the GPT training step's temp memory per schedule, and its ratio to 1F1B's
+    (interleaved's for the two-chunk rows)."""
+    temps = {name: gpt_temp_kib(pp, flags) for name, flags in GPT_SCHEDULES.items()}
+    lines = ["| schedule | temp KiB | / 1F1B or interleaved |", "|---|---|---|"]
+    for name, kib in temps.items():
+        base = temps["interleaved v=2" if name.startswith(("interleaved", "ZB-V")) else "1F1B"]
+        lines.append(f"| {name} | {kib:.0f} | {kib / base:.2f} |")
+    return "\n".join(lines)
 
 
 def processes_rows(a: argparse.Namespace, mesh: Any, m: int) -> list[dict[str, Any]]:

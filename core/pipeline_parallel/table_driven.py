@@ -4,7 +4,8 @@ Every rank runs one ``lax.scan`` over the slots of a :class:`~core.pipeline_para
 built from Megatron's per-rank step orders; the static table, indexed by ``lax.axis_index``,
 says which (microbatch, chunk) this rank runs forward or backward in the slot (``lax.cond``:
 an idle rank computes nothing). Each slot ends with two ring ``ppermute``\\ s, activations to
-the next virtual stage and input-gradients to the previous one; receivers read the sender's
+the next virtual stage and input-gradients to the previous one, each skipped in the slots where
+no rank sends that way (:func:`skippable_ppermute`); receivers read the sender's
 table entry to know which (microbatch, chunk) arrived and store it in ring buffers of
 ``timeline.buffer_size`` entries per chunk. The backward recomputes the chunk's forward inside
 ``jax.vjp`` from the stashed input, so memory stays O(pp) stage inputs per chunk whatever M.
@@ -40,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from core.pipeline_parallel.timeline import build_timeline
@@ -73,6 +75,23 @@ def stage_runner(stage_step: Callable, num_microbatches: int, stage_metrics: boo
         return out, (loss, jnp.zeros((), jnp.float32) if nt is None else nt, reduced, sm[0] if sm else {})
 
     return run, per_token
+
+
+def skippable_ppermute(x: jax.Array, anyone_sends: jax.Array, axis_name: str, pairs: list) -> jax.Array:
+    """``lax.ppermute(x, axis_name, pairs)``, or zeros without a transfer where ``anyone_sends``
+    is false. The predicate must be the same on every rank (a function of the slot alone), so all
+    ranks take the same branch: a schedule's slots where no rank sends that way cost nothing."""
+    return lax.cond(anyone_sends, lambda v: lax.ppermute(v, axis_name, pairs), jnp.zeros_like, x)
+
+
+def _slots_sending(timeline: Any, pp: int, vpp: int) -> tuple[np.ndarray, np.ndarray]:
+    """[slots] whether any rank sends an activation (a forward below the last virtual stage) and
+    whether any sends an input gradient (a backward above the first) in each slot."""
+    rank, last = np.arange(pp), pp * vpp - 1
+    f, b = timeline.forward, timeline.backward
+    f_sends = (f >= 0) & ((np.maximum(f, 0) % vpp) * pp + rank < last)
+    b_sends = (b >= 0) & ((np.maximum(b, 0) % vpp) * pp + rank > 0)
+    return f_sends.any(axis=1), b_sends.any(axis=1)
 
 
 def accumulate_chunk_grads(acc: Any, g: Any, c: jax.Array | int, combine: Any = None) -> Any:
@@ -155,6 +174,7 @@ def execute_stages(
     rank = lax.axis_index(axis_name)
     last_vs = pp * vpp - 1
     fwd_table, bwd_table = jnp.asarray(timeline.forward), jnp.asarray(timeline.backward)
+    f_sends, b_sends = (jnp.asarray(a) for a in _slots_sending(timeline, pp, vpp))
     take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
     shared = shared_params
 
@@ -192,7 +212,11 @@ def execute_stages(
         gp, gs, gx = vjp((cot_out, jnp.where(is_last, 1.0, 0.0).astype(loss.dtype)))
         return (loss.astype(jnp.float32), nt, rd, zeros_sm), gp, gs, gx
 
-    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
+    def backward_step(args):
+        acts, grads, code, param_grads, shared_grads = args
+        b_res, gp, gs, gx = backward((acts, grads, code))
+        param_grads = accumulate_chunk_grads(param_grads, gp, unpack(code)[1], chunk_grad_combine)
+        return b_res, param_grads, jax.tree.map(jnp.add, shared_grads, gs), gx
 
     zero_shared = jax.tree.map(jnp.zeros_like, shared)
 
@@ -214,25 +238,25 @@ def execute_stages(
             rds, ntok = record(rds, ntok, f_code, f_res)
             gx = act_zero
         else:
-            b_res, gp, gs, gx = lax.cond(b_code >= 0, backward, lambda _: (no_loss, zero_grads, zero_shared, act_zero),
-                                         (acts, grads, b_code))
-            _, b_c, _ = unpack(b_code)
-            param_grads = accumulate_chunk_grads(param_grads, gp, b_c, chunk_grad_combine)
-            shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
+            # The accumulators go through the cond: an idle slot returns them as they are (no
+            # zero-filled gradients to add).
+            b_res, param_grads, shared_grads, gx = lax.cond(
+                b_code >= 0, backward_step, lambda a: (no_loss, a[3], a[4], act_zero),
+                (acts, grads, b_code, param_grads, shared_grads))
             rds, ntok = record(rds, ntok, b_code, b_res)
         # Activations to the next virtual stage, input-grads to the previous one (ring over ranks).
-        recv_y = lax.ppermute(y, axis_name, [(i, (i + 1) % pp) for i in range(pp)])
+        recv_y = skippable_ppermute(y, f_sends[t], axis_name, [(i, (i + 1) % pp) for i in range(pp)])
         prev, nxt = (rank - 1) % pp, (rank + 1) % pp
         sf_mb, sf_c = jnp.divmod(jnp.maximum(fwd_table[t, prev], 0), vpp)
         ok_f = (fwd_table[t, prev] >= 0) & (sf_c * pp + prev < last_vs)
         dest_f = jnp.clip(sf_c + (prev == pp - 1), 0, vpp - 1)  # rank pp-1's chunk c feeds rank 0's chunk c+1
-        acts = jnp.where(ok_f, acts.at[dest_f, sf_mb % k].set(recv_y), acts)
+        acts = acts.at[dest_f, sf_mb % k].set(jnp.where(ok_f, recv_y, acts[dest_f, sf_mb % k]))  # in place
         if not forward_only:
-            recv_g = lax.ppermute(gx, axis_name, [(i, (i - 1) % pp) for i in range(pp)])
+            recv_g = skippable_ppermute(gx, b_sends[t], axis_name, [(i, (i - 1) % pp) for i in range(pp)])
             sb_mb, sb_c = jnp.divmod(jnp.maximum(bwd_table[t, nxt], 0), vpp)
             ok_b = (bwd_table[t, nxt] >= 0) & (sb_c * pp + nxt > 0)
             dest_b = jnp.clip(sb_c - (nxt == 0), 0, vpp - 1)  # rank 0's chunk c sends to rank pp-1's chunk c-1
-            grads = jnp.where(ok_b, grads.at[dest_b, sb_mb % k].set(recv_g), grads)
+            grads = grads.at[dest_b, sb_mb % k].set(jnp.where(ok_b, recv_g, grads[dest_b, sb_mb % k]))
         return (acts, grads, param_grads, shared_grads, rds, ntok, sms), None
 
     buffers = jnp.zeros((vpp, k) + act_zero.shape, act_zero.dtype)

@@ -23,8 +23,10 @@ idle rank computes nothing):
 Communication (:class:`ZBPlan`, static tables from the slot table and the placement): each slot
 ends with one ``ppermute`` to rank + 1 and one to rank - 1, each carrying the slot's outgoing
 tensor (F's activation or B's input gradient) where its destination stage sits on that neighbour,
-else zeros; a destination on the sending rank itself (ZB-V's turn of the V on rank ``pp - 1``:
-chunk 0's output feeds its chunk 1, chunk 1's input gradient its chunk 0) is handed over locally.
+else zeros, and each skipped in the slots where no rank sends that way
+(:func:`~core.pipeline_parallel.table_driven.skippable_ppermute`); a destination on the sending
+rank itself (ZB-V's turn of the V on rank ``pp - 1``: chunk 0's output feeds its chunk 1, chunk
+1's input gradient its chunk 0) is handed over locally.
 Receivers read the sender's table entry to know which (microbatch, chunk) arrived. Compute per
 microbatch and stage is F + (F + B) + W, the 1F1B executor's.
 
@@ -53,7 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from core.pipeline_parallel.table_driven import accumulate_chunk_grads, execute_stages, stage_runner
+from core.pipeline_parallel.table_driven import (
+    accumulate_chunk_grads,
+    execute_stages,
+    skippable_ppermute,
+    stage_runner,
+)
 from core.pipeline_parallel.zero_bubble import (
     ZeroBubbleTimeline,
     build_zb_h1_timeline,
@@ -332,7 +339,6 @@ def execute_zero_bubble(
     acts0 = jnp.zeros((vpp, sizes.inputs) + act_zero.shape, act_zero.dtype)
     no_loss = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros_of(rd_shape))
     no_f = (act_zero, no_loss, zeros_of(sm_shape))
-    zero_grads = jax.tree.map(lambda a: jnp.zeros_like(a[0]), chunk_params)
     zero_shared = jax.tree.map(jnp.zeros_like, shared_params)
     if forward_only:
         grads0, res0, no_b = None, [], None
@@ -342,6 +348,21 @@ def execute_zero_bubble(
         no_b = zeros_of(b_shapes)
         res0 = [jnp.zeros((vpp, sizes.residuals) + s.shape, s.dtype) for s in b_shapes[2]]
 
+    def b_step(args):
+        acts, grads, res, code = args
+        mb, c, _ = unpack(code)
+        b_res, gx, kept = backward_input((acts, grads, code))
+        return b_res, gx, [r.at[c, mb % sizes.residuals].set(v.astype(r.dtype)) for r, v in zip(res, kept, strict=True)]
+
+    def b_idle(args):
+        return no_b[0], no_b[1], args[2]
+
+    def w_step(args):
+        acts, res, grads, param_grads, shared_grads, code = args
+        gp, gs = backward_weight((acts, res, grads, code))
+        param_grads = accumulate_chunk_grads(param_grads, gp, unpack(code)[1], chunk_grad_combine)
+        return param_grads, jax.tree.map(jnp.add, shared_grads, gs)
+
     def record(rds, ntok, code, result):
         mb, _, vs = unpack(code)
         hit = (code >= 0) & (vs == last)
@@ -349,15 +370,17 @@ def execute_zero_bubble(
         rds = jax.tree.map(lambda acc, v: _put(acc, mb, v, hit), rds, rd)
         return rds, ntok + jnp.where(hit, nt, 0.0)
 
+    def send(out, t, sends, pairs):
+        return skippable_ppermute(jnp.where(sends[t, rank], out, 0), sends[t].any(), axis_name, pairs)
+
     def exchange(acts, grads, out, t):
-        # One ppermute each way (only where the table ever sends that way); the turn of the V stays local.
+        # At most one ppermute each way per slot; the turn of the V stays local.
         up = [(i, i + 1) for i in range(pp - 1)]
         received = [(FROM_SELF, out)]
         if plan.to_next.any():
-            received.append((FROM_PREV, lax.ppermute(jnp.where(to_next[t, rank], out, 0), axis_name, up)))
+            received.append((FROM_PREV, send(out, t, to_next, up)))
         if plan.to_prev.any():
-            received.append((FROM_NEXT, lax.ppermute(jnp.where(to_prev[t, rank], out, 0), axis_name,
-                                                     [(j, i) for i, j in up])))
+            received.append((FROM_NEXT, send(out, t, to_prev, [(j, i) for i, j in up])))
         for src, value in received:
             if (plan.arrivals[src] >= 0).any():
                 acts, grads = _store(acts, grads, arrivals[src, t, rank], value, sizes, vpp)
@@ -372,14 +395,12 @@ def execute_zero_bubble(
             rds, ntok = record(rds, ntok, f_code, f_res)
             out = y
         else:
-            b_res, gx, kept = lax.cond(b_code >= 0, backward_input, lambda _: no_b, (acts, grads, b_code))
-            b_mb, b_c, _ = unpack(b_code)
-            res = [_put(r, (b_c, b_mb % sizes.residuals), v, b_code >= 0) for r, v in zip(res, kept, strict=True)]
+            # The buffers and accumulators go through the conds: an idle branch returns them as they
+            # are (no zero-filled residuals or gradients to write or add in the slots without B or W).
+            b_res, gx, res = lax.cond(b_code >= 0, b_step, b_idle, (acts, grads, res, b_code))
             rds, ntok = record(rds, ntok, b_code, b_res)
-            gp, gs = lax.cond(w_code >= 0, backward_weight, lambda _: (zero_grads, zero_shared),
-                              (acts, res, grads, w_code))
-            param_grads = accumulate_chunk_grads(param_grads, gp, unpack(w_code)[1], chunk_grad_combine)
-            shared_grads = jax.tree.map(jnp.add, shared_grads, gs)
+            param_grads, shared_grads = lax.cond(w_code >= 0, w_step, lambda a: a[3:5],
+                                                 (acts, res, grads, param_grads, shared_grads, w_code))
             out = jnp.where(f_code >= 0, y, gx)  # a rank runs one step per slot: at most one is sent
         acts, grads = exchange(acts, grads, out, t)
         return (acts, grads, res, param_grads, shared_grads, rds, ntok, sms), None
