@@ -57,6 +57,8 @@ def _permute_chunks(x: Any, cp: int, seq_axis: int, order: np.ndarray) -> Any:
     seq_len = x.shape[seq_axis]
     chunk = _check_split(seq_len, cp)
     shape = x.shape
+    if xp is jnp and np.array_equal(order, np.arange(2 * cp)):
+        return x  # cp 1: nothing moves
     # A reshape to [..., 2cp, chunk, ...] and a gather of whole chunks: no per-token index array.
     chunks = xp.reshape(x, (*shape[:seq_axis], 2 * cp, chunk, *shape[seq_axis + 1:]))
     taken = xp.take(chunks, xp.asarray(order), axis=seq_axis)
