@@ -185,9 +185,11 @@ CASES = {
     "pp4_dp2_distopt_w_recompute_m4": (1, 4, DEEP, ("--use-distributed-optimizer", "--zero-bubble-w-recompute")),
     # pp2, m = 2pp = 4 (cp2, dp2): context parallelism with full recompute.
     "pp2_cp2_dp2_recompute_m4": (1, 2, (), ("--context-parallel-size", "2", "--recompute-activations")),
-    # pp2, m = 4 (tp2, dp2): Megatron-FSDP ZeRO-3 (each layer gathered for its F, B and W) with SP.
-    "tp2_pp2_dp2_zero3_sp_m4": (2, 2, (), ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                                           "optim_grads_params", "--sequence-parallel")),
+    # pp2, m = 4 (tp2, dp2): Megatron-FSDP ZeRO-3 with SP, W recomputing the forward (each layer
+    # gathered for its F, B and W's forward).
+    "tp2_pp2_dp2_zero3_sp_w_recompute_m4": (2, 2, (), ("--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                                       "optim_grads_params", "--sequence-parallel",
+                                                       "--zero-bubble-w-recompute")),
 }
 
 
