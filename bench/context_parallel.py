@@ -95,6 +95,14 @@ COMPARED = COMM_TYPES + ("a2a", "a2a+p2p")  # parts 1 and 2: as core.context_par
 A2A_GROUP = 2
 """``a2a+p2p``'s all-to-all group (``--hierarchical-context-parallel-sizes 2 cp/2``: the ring across
 ``cp / 2`` groups); at cp <= 2 it is ``a2a``."""
+DEFAULT_OUT = str(ROOT / "bench" / "results" / "context_parallel_cpu.md")
+TARGET_MEMORY_RATIO = 0.3
+"""Target: attention memory per device at cp=4 over cp=1."""
+TARGET_IMBALANCE = 0.05
+"""Target: load-balanced per-rank step-time imbalance, max / min - 1."""
+TARGET_A2A_COMPUTE = 1.1
+"""Target between processes: the ``a2a`` step over one device's attention on the full sequence
+with 1/cp of the heads (attention compute + all-to-alls: within it, the compute is too)."""
 
 
 def hierarchical_sizes(comm_type: str, cp: int) -> tuple[int, int] | None:
@@ -109,14 +117,6 @@ def comm_label(comm_type: str, cp: int) -> str:
     """The table's name of a comm type at cp (``a2a+p2p`` with its sizes)."""
     sizes = hierarchical_sizes(comm_type, cp)
     return comm_type if sizes is None else f"{comm_type} {sizes[0]}x{sizes[1]}"
-DEFAULT_OUT = str(ROOT / "bench" / "results" / "context_parallel_cpu.md")
-TARGET_MEMORY_RATIO = 0.3
-"""Target: attention memory per device at cp=4 over cp=1."""
-TARGET_IMBALANCE = 0.05
-"""Target: load-balanced per-rank step-time imbalance, max / min - 1."""
-TARGET_A2A_COMPUTE = 1.1
-"""Target between processes: the ``a2a`` step over one device's attention on the full sequence
-with 1/cp of the heads (attention compute + all-to-alls: within it, the compute is too)."""
 
 
 # -- the programs ------------------------------------------------------------------------------
