@@ -294,12 +294,12 @@ def processes_rows(a: argparse.Namespace, mesh: Any, m: int) -> list[dict[str, A
     local = jax.local_devices()[0]
     ideal = median_seconds(sequential(pp), *(jax.device_put(v, local) for v in (params, x, t)), reps=a.steps) / pp
     xs, ts = place(mesh, x, P()), place(mesh, t, P())
-    rows = []
-    for group in (["1F1B", "ZB-H1"], list(TWO_CHUNKS)):
-        chunks = 2 if group[0] == "interleaved" else 1
+    fns, rows = schedules(pp), []
+    for group in (("1F1B", "ZB-H1"), TWO_CHUNKS):
+        chunks = 2 if group == TWO_CHUNKS else 1
         p = place(mesh, two if chunks == 2 else params, P("pp"))
-        names = [n for n in schedules(pp) if n.startswith(tuple(group))]
-        compiled = [build(schedules(pp)[n], mesh).lower(p, xs, ts).compile() for n in names]
+        names = [n for n in fns if n.startswith(group)]
+        compiled = [build(fns[n], mesh).lower(p, xs, ts).compile() for n in names]
         times = round_robin_medians([functools.partial(c, p, xs, ts) for c in compiled], reps=a.steps)
         for name, c, (step,) in zip(names, compiled, times, strict=True):
             bubble, _ = slot_bubble(name, m, pp)

@@ -38,6 +38,14 @@ def layout_trainer(tp: int, pp: int, devices: list, iters: int = 10, extra: tupl
     return Pretrainer(pretrain_config(args), layout, state)
 
 
+def train_step_temp_kib(pp: int, extra: tuple = ()) -> float:
+    """Compiled temp memory (KiB per device) of the training step of :data:`TINY` with ``extra`` at
+    pp (tp 1, dp 1, on the first pp devices)."""
+    trainer = layout_trainer(1, pp, jax.devices()[:pp], 5, extra)
+    lowered = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch())
+    return lowered.compile().memory_analysis().temp_size_in_bytes / 1024
+
+
 def cached_by_flags(run):
     """``get(flags)``: ``run(flags)`` computed once per flags tuple (one-device references shared
     by a test module's cases)."""

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from pipeline_toys import MB, H, toy_stage_step
-from pretrain_harness import TINY, cached_by_flags, layout_trainer
+from pretrain_harness import TINY, cached_by_flags, layout_trainer, train_step_temp_kib
 
 from core import parallel_state as ps
 from core.pipeline_parallel.schedules import (
@@ -126,17 +126,11 @@ def test_zb_h1_pretraining_equals_one_device(references, case):
     _assert_matches(_run(tp, pp, jax.devices(), model + layout + ZB), references(model), rtol=1e-4)
 
 
-def _temp_kib(pp: int, flags: tuple) -> float:
-    """Compiled temp memory (KiB) of the training step of the tiny GPT at pp (dp1, m 8)."""
-    trainer = layout_trainer(1, pp, jax.devices()[:pp], ITERS, ("--seq-length", "64", *flags))
-    lowered = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch())
-    return lowered.compile().memory_analysis().temp_size_in_bytes / 1024
-
-
 def test_w_recompute_keeps_1f1b_activation_memory():
     # pp4, m 8: with W recomputing the forward the step holds stage inputs and output gradients,
     # as the 1F1B executor holds inputs, within the issue's 1.05x; B's residuals take far more.
-    one_f_one_b, residuals, recompute = (_temp_kib(4, f) for f in ((), ZB, ZB + ("--zero-bubble-w-recompute",)))
+    one_f_one_b, residuals, recompute = (train_step_temp_kib(4, ("--seq-length", "64", *f))
+                                         for f in ((), ZB, ZB + ("--zero-bubble-w-recompute",)))
     assert recompute <= 1.05 * one_f_one_b < residuals
 
 

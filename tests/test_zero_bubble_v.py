@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from pipeline_toys import MB, H, toy_stage_step
-from pretrain_harness import TINY, cached_by_flags, layout_trainer
+from pretrain_harness import TINY, cached_by_flags, layout_trainer, train_step_temp_kib
 
 from core import parallel_state as ps
 from core.checkpointing.layer_order import from_layer_order, to_layer_order
@@ -202,13 +202,9 @@ def test_zb_v_pretraining_equals_one_device(references, case):
 def test_w_recompute_keeps_interleaved_activation_memory():
     # pp4 x 2 chunks, m 8: with W recomputing the forward the step holds stage inputs and output
     # gradients and needs no more temp memory than interleaved 1F1B (within 1.05x); B's residuals far more.
-    def temp_kib(flags):
-        trainer = layout_trainer(1, 4, jax.devices()[:4], ITERS, (*DEEP, "--seq-length", "64",
-                                                                  "--virtual-pipeline-model-parallel-size", "2", *flags))
-        lowered = trainer.train_step.lower(trainer.params, trainer.opt_state, trainer.data.next_train_batch())
-        return lowered.compile().memory_analysis().temp_size_in_bytes / 1024
-
-    interleaved, residuals, recompute = (temp_kib(f) for f in ((), ZBV, ZBV + ("--zero-bubble-w-recompute",)))
+    interleaved, residuals, recompute = (
+        train_step_temp_kib(4, (*DEEP, "--seq-length", "64", "--virtual-pipeline-model-parallel-size", "2", *f))
+        for f in ((), ZBV, ZBV + ("--zero-bubble-w-recompute",)))
     assert recompute <= 1.05 * interleaved < residuals
 
 

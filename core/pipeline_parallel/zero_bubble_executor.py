@@ -328,7 +328,7 @@ def execute_zero_bubble(
         acts, res, grads, code = args
         mb, c, vs = unpack(code)
         if plan.w_recompute:
-            vjp_fn = chunk_vjp(acts, code)[1][1]
+            _, (_, vjp_fn, _) = chunk_vjp(acts, code)
         else:
             vjp_fn = residuals.join([r[c, mb % sizes.residuals] for r in res], params(c))
         gp, gs, _ = vjp_fn(cotangents(grads[c, mb % sizes.output_grads], vs))
@@ -345,7 +345,7 @@ def execute_zero_bubble(
     else:
         grads0 = jnp.zeros((vpp, sizes.output_grads) + act_zero.shape, act_zero.dtype)
         b_shapes = jax.eval_shape(backward_input, (acts0, grads0, jnp.zeros((), jnp.int32)))
-        no_b = zeros_of(b_shapes)
+        no_b = zeros_of(b_shapes[:2])  # an idle B's loss record and input gradient
         res0 = [jnp.zeros((vpp, sizes.residuals) + s.shape, s.dtype) for s in b_shapes[2]]
 
     def b_step(args):
@@ -355,7 +355,7 @@ def execute_zero_bubble(
         return b_res, gx, [r.at[c, mb % sizes.residuals].set(v.astype(r.dtype)) for r, v in zip(res, kept, strict=True)]
 
     def b_idle(args):
-        return no_b[0], no_b[1], args[2]
+        return (*no_b, args[2])
 
     def w_step(args):
         acts, res, grads, param_grads, shared_grads, code = args
