@@ -119,17 +119,21 @@ def test_group_all_to_all(group, via):
 
 
 def test_collectives_in_jaxpr():
-    def jaxpr(comm_type, sizes, cp, rotation="ppermute"):
+    def jaxpr(comm_type, sizes, cp, rotation="ppermute", grad=False):
         mesh = Mesh(np.array(jax.devices()[:cp]), ("cp",))
         spec = P(None, None, "cp", None)
         fn = jax.shard_map(partial(context_parallel_attention, comm_type=comm_type, hierarchical_sizes=sizes,
                                    local_attention=causal_attention,
                                    kv_rotation=rotation), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
                            check_vma=False)
+        if grad:
+            fn = jax.grad(lambda *qkv, attn=fn: attn(*qkv).sum(), argnums=(0, 1, 2))
         return str(jax.make_jaxpr(fn)(*cpa._inputs()[:3]))
 
     a2a = jaxpr("a2a", None, 4)
     assert a2a.count("all_to_all") == 4 and "ppermute" not in a2a  # q, k, v in; the output back
+    a2a_grad = jaxpr("a2a", None, 4, grad=True)
+    assert a2a_grad.count("all_to_all") == 8 and "ppermute" not in a2a_grad  # the backward's: dO in; dq, dk, dv back
     hierarchical = jaxpr("a2a+p2p", (2, 2), 4)
     assert "all_to_all" not in hierarchical and "ppermute" in hierarchical
     pipelined = jaxpr("a2a+p2p", (2, 2), 4, "all_gather")
