@@ -46,6 +46,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 MIB = 1024 * 1024
 
 
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f"The writer process's saves in the training process (median):\n\n{phases_table(rows)}")
     print(text)
     if not a.quick and a.model_flags is None and not a.free_cores:
-        Path(a.out).write_text(f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        write_text_atomically(a.out, f"# bench/checkpoint.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 
 

@@ -27,6 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi_launch import emit, launch  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 STALL_SEQUENCES = {
     "all-reduce 4 MiB alone": ["ar:1048576"],
     "raw psum_scatter 1 KiB, then all-reduce 4 MiB": ["rs_raw:256", "ar:1048576"],
@@ -171,8 +173,8 @@ def main() -> None:
                                                            "--reps", "1"], 600)
     print_tables(rows, stall_rows)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"table": rows, "stall": {f"{w}|{n}": r for (w, n), r in stall_rows.items()}}, fh, indent=1)
+        write_text_atomically(args.json, json.dumps(
+            {"table": rows, "stall": {f"{w}|{n}": r for (w, n), r in stall_rows.items()}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from mpi_launch import start_worker_process, write_processes_report  # noqa: E402
 from timing import BenchRun, round_robin_medians, round_robin_times  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 MIB = 1024 * 1024
 COMM_TYPES = ("p2p", "all_gather")  # the blockwise kernels (part 5's einsum blocks)
 COMPARED = COMM_TYPES + ("a2a", "a2a+p2p")  # parts 1 and 2: as core.context_parallel.COMM_TYPES (imported later)
@@ -659,8 +661,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"{hide_text}\n\n"
               f"## 5. Einsum blocks (GPU's path: bfloat16 q/k/v, float32 scores): per-device temporaries MiB by "
               f"query tile (compiled only)\n\n{tile_text}\n")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(report)
+    write_text_atomically(a.out, report)
     print(f"\n{run.elapsed():.0f} s; wrote {a.out}")
     return {"cp": cp, "memory_ratios": ratios, "saved_ratios": saved_ratios, "grid": grid, "longest": longest,
             "balance": balance, "hiding": hiding, "tiling": tiling}

@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from timing import BenchRun  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 TOOL = ROOT / "tools" / "checkpoint" / "convert.py"
 GIB = 2**30
 
@@ -186,7 +188,7 @@ def main() -> None:
              "| lengths | conversations | truncated to 4096 | sequences | conversation tokens / tokens processed | "
              "loss tokens / tokens processed | packing time |",
              "|---|---|---|---|---|---|---|", *pack, ""]
-    Path(args.out).write_text("\n".join(lines))
+    write_text_atomically(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
 
 

@@ -51,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from timing import BenchRun  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 TOOL = ROOT / "tools" / "preprocess_data.py"
 MIB = 1024 * 1024
 SPLIT = "969,30,1"
@@ -312,8 +314,7 @@ def main(argv: Sequence[str] | None = None) -> None:
               f"round-robin rounds; `--split {SPLIT}`):\n\n{load_table}\n\nMegatron loader share: "
               f"**{100 * share:.2f}%** (target < 2%: {verdict}); pipeline build with its indices once (cache "
               f"miss): {build_s:.2f} s.\n")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(report)
+    write_text_atomically(a.out, report)
     print(f"wrote {a.out}")
 
 

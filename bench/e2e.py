@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from mpi_launch import free_port  # noqa: E402
 
+from core.atomic_files import write_atomically, write_text_atomically  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results"
 
 
@@ -128,7 +130,7 @@ def chart(rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.set_title("GPT training throughput (same model, same global batch, fp32)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_atomically(str(path), lambda stream: fig.savefig(stream, format="png", dpi=100))
 
 
 def main() -> None:
@@ -150,8 +152,8 @@ def main() -> None:
               f"model vs {peaks['matmul_peak_flops'] / 1e9:.1f} GFLOP/s measured jnp.dot peak) on {peaks['device']}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "single_process": peaks}, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_text_atomically(out.with_suffix(".json"), json.dumps({"rows": rows, "single_process": peaks}, indent=1))
+    write_text_atomically(out.with_suffix(".md"), table + "\n")
     chart(rows, out.with_suffix(".png"))
 
 

@@ -62,6 +62,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_fp8  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 
 def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -504,7 +506,7 @@ def _keep_trace(directory: str, stem: Path) -> str:
     trace = trace_file(directory)
     if os.path.getsize(trace) < 15 * 2**20:
         Path(str(stem) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
-    Path(str(stem) + ".trace.txt").write_text(describe_planes(trace, top=12))
+    write_text_atomically(str(stem) + ".trace.txt", describe_planes(trace, top=12))
     return trace
 
 
@@ -671,7 +673,8 @@ def main() -> None:
     shape, flags = _attention_shape(a.smoke), gpt_flags(a)
     attention = gpt = tests = None
     extra: list[str] = []  # the sections after the GPT's, in order
-    write = lambda: out.write_text(report(info, tests, attention, shape, gpt, flags) + "\n" + "\n".join(extra))
+    write = lambda: write_text_atomically(
+        out, report(info, tests, attention, shape, gpt, flags) + "\n" + "\n".join(extra))
 
     def skipped(step: str, needs: float) -> bool:
         if left() >= needs:

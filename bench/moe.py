@@ -74,6 +74,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from mpi_launch import start_worker_process, write_processes_report  # noqa: E402
 from timing import BenchRun, round_robin_medians  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 DEFAULT_OUT = ROOT / "bench" / "results" / "moe_cpu.md"
 """The one-process report (under mpirun: ``moe_processes_<platform>.md``)."""
 TARGET_STEP_RATIO = 1.5
@@ -489,8 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"round-robin rounds; share of step = layers x dispatch + combine / part 1's step)\n\n{dispatch_text}\n\n"
               f"## 3. Expert computation ({a.gemm_rows} rows, {a.experts} experts, h {a.gemm_hidden}, "
               f"F {a.gemm_ffn}, forward + backward, one device)\n\n{gemm_text}\n")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(report)
+    write_text_atomically(a.out, report)
     print(f"\n{run.elapsed():.0f} s; wrote {a.out}")
     return {"steps": steps, "step_ratio_ep1": at1, "dispatch": dispatch, "dispatch_share_max_ep": at8, "gemm": gemm}
 

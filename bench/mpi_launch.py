@@ -53,18 +53,6 @@ def start_worker_process() -> None:
     release_cpu_affinity()
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` (its folder created) through a temporary file in the same folder
-    and ``os.replace``: a reader sees the old file or the new one, and a failure leaves the old one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_processes_report(run, a, script: str, workload: str, title: str, reps: int, table: str,
                            one_process_out: str, stem: str) -> Path:
     """Rank 0 of a benchmark's ``mpirun`` mode: print ``workload`` and ``table`` and write them under
@@ -74,6 +62,8 @@ def write_processes_report(run, a, script: str, workload: str, title: str, reps:
     under their own ``##`` headings). Written atomically. Returns the report's path."""
     import jax
 
+    from core.atomic_files import write_text_atomically
+
     platform, processes = jax.devices()[0].platform, jax.process_count()
     rounds = f"rank 0, median of {reps} round-robin rounds"
     print(f"{workload}\n\n{title} ({rounds}; {run.lap()})\n\n{table}", flush=True)
@@ -82,6 +72,6 @@ def write_processes_report(run, a, script: str, workload: str, title: str, reps:
     header = run.header(f"mpirun -n {processes} python bench/{script}{' --quick' if a.quick else ''}", a.machine,
                         a.note)
     heading = f"{title[0].upper()}{title[1:]} ({rounds})"
-    write_atomically(out, f"{header}\n\nWorkload: {workload}.\n\n## {heading}\n\n{table}\n")
+    write_text_atomically(out, f"{header}\n\nWorkload: {workload}.\n\n## {heading}\n\n{table}\n")
     print(f"\n{run.elapsed():.0f} s; wrote {out}")
     return out

@@ -31,6 +31,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 MIB = 1024 * 1024
 MODELS = [["--hidden-size", "512", "--num-attention-heads", "8"],
           ["--hidden-size", "1024", "--num-attention-heads", "8", "--num-layers", "8"]]
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     text = table(rows)
     print(text)
     if not a.quick:
-        Path(a.out).write_text(f"# bench/optimizer_memory.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        write_text_atomically(a.out, f"# bench/optimizer_memory.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 
 

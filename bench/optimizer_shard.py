@@ -27,6 +27,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 MIB = 1024 * 1024
 QUICK_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
 
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                        f"{device.platform} ({device.device_kind})")
     print(text)
     if not a.quick:
-        Path(a.out).write_text(f"# bench/optimizer_shard.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        write_text_atomically(a.out, f"# bench/optimizer_shard.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 
 

@@ -40,6 +40,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 MIB = 1024 * 1024
 SMOKE_MODEL = ["--num-layers", "1", "--hidden-size", "32", "--seq-length", "32", "--micro-batch-size", "2",
                "--global-batch-size", "2"]
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     text = table(rows, f"{jax.devices()[0].device_kind}, JAX {jax.__version__}")
     print(text)
     if a.out:
-        Path(a.out).write_text(f"# bench/snapshot_dispatch.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
+        write_text_atomically(a.out, f"# bench/snapshot_dispatch.py ({time.strftime('%Y-%m-%d')})\n\n{text}\n")
     return rows
 
 

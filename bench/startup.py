@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from mpi_launch import free_port  # noqa: E402
 
+from core.atomic_files import write_text_atomically  # noqa: E402
+
 GPT = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
        "--global-batch-size", "32", "--train-iters", "13", "--log-interval", "13", "--eval-interval", "1000000",
        "--eval-iters", "1", "--no-progress-bar", "--tensor-model-parallel-size", "1",
@@ -84,9 +86,8 @@ def main() -> None:
               for w in a.worlds]
     table = "\n".join(lines)
     print(table)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(f"Whole-process time, 13 iterations (`python bench/startup.py`, {time.strftime('%Y-%m-%d')})"
-                           f"\n\n{table}\n")
+    write_text_atomically(a.out, "Whole-process time, 13 iterations (`python bench/startup.py`, "
+                                 f"{time.strftime('%Y-%m-%d')})\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,22 @@ def temporary_path(path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     handle, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix="-" + os.path.basename(path))
     os.close(handle)
+    # mkstemp makes the file private (0600); the renamed result gets what open() would have given.
+    os.chmod(tmp, 0o666 & ~_umask())
     return tmp
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (``os.umask`` sets a
+    new one to read the old, a moment in which another thread's files would get the wrong mode)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def remove_quietly(path: str) -> None:
@@ -84,3 +99,11 @@ def write_atomically(path: str, write: Callable[[IO[Any]], None], mode: str = "w
     except BaseException:
         remove_quietly(tmp)
         raise
+
+
+def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` as :func:`write_atomically` does, creating its directory first
+    (the benchmarks' and tools' reports)."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_atomically(path, lambda stream: stream.write(text), mode="w")
