@@ -20,17 +20,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from core.models.gpt.gpt_model import expert_bias_variables
 from core.parallel_state import TP_AXIS
 from core.transformer.attention import KV_CACHE
 from core.transformer.layer_context import LayerContext
-from core.transformer.moe import MOE_STATE
 
 
 def layer_kinds(model: Any) -> list[str]:
     """``"dense"`` or ``"moe"`` for each layer of the (one-chunk) model, in layer order."""
-    if model.moe_layer is None:
-        return ["dense"] * model.layers_per_chunk
-    return ["moe" if m else "dense" for m in model.chunk_moe_pattern]
+    return [kind for kind, _ in model.chunk_layer_slots()]
 
 
 def layerwise_params(model: Any, params: dict, moe_state: dict | None = None,
@@ -43,15 +41,11 @@ def layerwise_params(model: Any, params: dict, moe_state: dict | None = None,
     ``is_leaf`` says what a leaf is when the stacks are other trees (specs, lists of arrays)."""
     take = take or (lambda leaf, i: leaf[0, i])
     stacks = params["layers"] if model.moe_layer is not None else {"dense": params["layers"]}
-    count = {"dense": 0, "moe": 0}
     layers = []
-    for kind in layer_kinds(model):
-        i = count[kind]
-        count[kind] += 1
+    for kind, i in model.chunk_layer_slots():
         variables = {"params": jax.tree.map(lambda a, i=i: take(a, i), stacks[kind], is_leaf=is_leaf)}
         if kind == "moe" and moe_state is not None:
-            bias = take(moe_state["expert_bias"], i)
-            variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
+            variables.update(expert_bias_variables(take(moe_state["expert_bias"], i)))
         layers.append(variables)
     return {**{k: v for k, v in params.items() if k != "layers"}, "layers": layers}
 

@@ -63,6 +63,12 @@ from core.transformer.recompute import with_recompute
 from core.transformer.transformer_layer import TransformerLayer
 
 
+def expert_bias_variables(bias: jax.Array) -> dict:
+    """The flax variables that give a MoE transformer layer's router its top-k expert bias
+    ``[E]`` (the non-trainable ``MOE_STATE`` collection)."""
+    return {MOE_STATE: {"mlp": {"moe": {"router": {"expert_bias": bias}}}}}
+
+
 class GPTModel:
     """Megatron's ``GPTModel`` for one :class:`ParallelState` (pure functions over explicit params)."""
 
@@ -151,6 +157,18 @@ class GPTModel:
                                              *xs, is_leaf=_is_box)
             stacked[kind] = stack(*[stack(*chunk) for chunk in chunks])
         return stacked
+
+    def chunk_layer_slots(self) -> list[tuple[str, int]]:
+        """Each layer of a chunk, in order, as ``(kind, i)``: its params are row ``i`` of the
+        chunk's ``kind`` stack (``"dense"`` or ``"moe"``; a dense model's are all ``"dense"``)."""
+        pattern = self.chunk_moe_pattern if self.moe_layer is not None else [False] * self.layers_per_chunk
+        count = {"dense": 0, "moe": 0}
+        slots = []
+        for is_moe in pattern:
+            kind = "moe" if is_moe else "dense"
+            slots.append((kind, count[kind]))
+            count[kind] += 1
+        return slots
 
     def layer_kinds(self) -> list[tuple[str, Any, int]]:
         """``(kind, layer module, layers of that kind per chunk)`` of the kinds the model has:
@@ -354,18 +372,15 @@ class GPTModel:
                                                    ctx.replace(layer_index=xs[1])), None)
             body = with_recompute(body, self.config.recompute_granularity)
             return lax.scan(body, x, (chunk_layers, index, chunk_scales), unroll=self.config.unroll_layers)[0], {}
-        count = {"dense": 0, "moe": 0}
         auxes = []
-        for j, is_moe in enumerate(self.chunk_moe_pattern):
-            kind = "moe" if is_moe else "dense"
-            p = jax.tree.map(lambda a, i=count[kind]: a[i], chunk_layers[kind])
-            scales = None if chunk_scales is None else jax.tree.map(lambda a, i=count[kind]: a[i], chunk_scales[kind])
-            count[kind] += 1
+        for j, (kind, i) in enumerate(self.chunk_layer_slots()):
+            is_moe = kind == "moe"
+            p = jax.tree.map(lambda a, i=i: a[i], chunk_layers[kind])
+            scales = None if chunk_scales is None else jax.tree.map(lambda a, i=i: a[i], chunk_scales[kind])
             layer = self.moe_layer if is_moe else self.layer
             variables = {}
             if is_moe and self.has_expert_bias:  # the router's non-trainable top-k bias (no gradient)
-                bias = lax.stop_gradient(chunk_bias[count[kind] - 1])
-                variables[MOE_STATE] = {"mlp": {"moe": {"router": {"expert_bias": bias}}}}
+                variables = expert_bias_variables(lax.stop_gradient(chunk_bias[i]))
 
             # The FP8 scales travel with the activations (an FSDP unit's VJP differentiates x only).
             def apply(p, hs, c, layer=layer, v=variables):
