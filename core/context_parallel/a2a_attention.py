@@ -90,11 +90,16 @@ def _seq_to_heads(x: jax.Array, axis_name: str, group: int, layout: str, load_ba
     """Local ``x`` (this rank's tokens, all heads) -> head group ``member`` over the group's tokens,
     in the order the attention reads (natural, or the ring's two chunks)."""
     h_ax, s_ax = layout.index("n"), layout.index("s")
-    heads = x.shape[h_ax]
-    x = x.reshape(*x.shape[:h_ax], group, heads // group, *x.shape[h_ax + 1:])  # head groups by destination
-    x = group_all_to_all(x, axis_name, group, h_ax, via)  # axis h_ax: the source member's tokens
-    x = jnp.moveaxis(x, h_ax, s_ax)  # the source axis just before its tokens
-    x = x.reshape(*x.shape[:s_ax], group * x.shape[s_ax + 1], *x.shape[s_ax + 2:])
+    if group == lax.axis_size(axis_name):
+        # One tiled all-to-all splits the heads and concatenates the sources' tokens in place
+        # (fewer copies on the CPU than the reshape and moveaxis below).
+        x = lax.all_to_all(x, axis_name, h_ax, s_ax, tiled=True)
+    else:
+        heads = x.shape[h_ax]
+        x = x.reshape(*x.shape[:h_ax], group, heads // group, *x.shape[h_ax + 1:])  # head groups by destination
+        x = group_all_to_all(x, axis_name, group, h_ax, via)  # axis h_ax: the source member's tokens
+        x = jnp.moveaxis(x, h_ax, s_ax)  # the source axis just before its tokens
+        x = x.reshape(*x.shape[:s_ax], group * x.shape[s_ax + 1], *x.shape[s_ax + 2:])
     return restore_from_cp(x, group, seq_axis=s_ax) if load_balanced else x
 
 
@@ -105,6 +110,8 @@ def _heads_to_seq(x: jax.Array, axis_name: str, group: int, layout: str, load_ba
     h_ax, s_ax = layout.index("n"), layout.index("s")
     if load_balanced:
         x = reorder_for_cp(x, group, seq_axis=s_ax)
+    if group == lax.axis_size(axis_name):
+        return lax.all_to_all(x, axis_name, s_ax, h_ax, tiled=True)
     x = x.reshape(*x.shape[:s_ax], group, x.shape[s_ax] // group, *x.shape[s_ax + 1:])  # by owning member
     x = jnp.moveaxis(x, s_ax, h_ax)
     x = group_all_to_all(x, axis_name, group, h_ax, via)  # axis h_ax: the source member's head group
