@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_fp8  # noqa: E402
 
-from core.atomic_files import write_text_atomically  # noqa: E402
+from core.atomic_files import write_atomically, write_text_atomically  # noqa: E402
 
 
 def _args() -> argparse.Namespace:
@@ -306,7 +307,8 @@ def _keep_hlo(directory: str, out: Path) -> str | None:
     if not dumps:
         return None
     text = dumps[-1].read_text()
-    Path(str(out) + ".hlo.txt.gz").write_bytes(gzip.compress(text.encode()))
+    compressed = gzip.compress(text.encode())
+    write_atomically(str(out) + ".hlo.txt.gz", lambda stream: stream.write(compressed))
     return text
 
 
@@ -505,7 +507,8 @@ def _keep_trace(directory: str, stem: Path) -> str:
 
     trace = trace_file(directory)
     if os.path.getsize(trace) < 15 * 2**20:
-        Path(str(stem) + ".xplane.pb").write_bytes(Path(trace).read_bytes())
+        with open(trace, "rb") as source:
+            write_atomically(str(stem) + ".xplane.pb", lambda stream: shutil.copyfileobj(source, stream))
     write_text_atomically(str(stem) + ".trace.txt", describe_planes(trace, top=12))
     return trace
 
